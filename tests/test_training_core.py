@@ -1,0 +1,93 @@
+"""The converted CUDA script (examples/tpu_train.py) on 1 XLA device, on 8 SPMD devices
+and without torch_xla, each against a plain CPU torch reference."""
+
+
+def test_one_core_trains_and_matches_cpu_reference(run_script):
+    proc = run_script("""
+        import json, torch, torch_xla, torch_xla.runtime as xr
+        import tpu_utility as tu, tpu_train
+        from reference import reference_train, max_param_diff
+        out = tu.run(tpu_train.train_fn, cores=1, start_method="fork")
+        ref = reference_train(global_batch=64)
+        print("RESULT", json.dumps({
+            "losses": out["losses"].tolist(), "ref_losses": ref["losses"].tolist(),
+            "diff": max_param_diff(out["state"], ref["state"]),
+            "on_cpu": all(v.device.type == "cpu" for v in out["state"].values())}))
+    """)
+    r = proc.result
+    assert r["losses"][-1] < 0.8 * r["losses"][0], r["losses"]
+    assert r["diff"] < 1e-5
+    assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) < 1e-4
+    assert r["on_cpu"]
+
+
+def test_eight_cores_spmd_matches_cpu_reference_over_global_batches(run_script):
+    proc = run_script("""
+        import json, torch, torch_xla, torch_xla.runtime as xr
+        import tpu_utility as tu, tpu_train
+        from reference import reference_train, max_param_diff
+
+        def probe():
+            # What the replica sees: world size, scaled lr, and how a batch is laid out.
+            loader = tu.make_loader(tpu_train.make_dataset(), batch_size=64)
+            x, y = next(iter(loader))
+            return {"world": tu.devices.world_size(), "batch": list(x.shape),
+                    "lr": tu.scale_lr_bs(1e-3, 64, verbose=False).lr,
+                    "sharding": torch_xla._XLAC._get_xla_sharding_spec(x),
+                    "steps": len(loader), "spmd": xr.is_spmd(),
+                    "devices": xr.global_runtime_device_count()}
+
+        if __name__ == "__main__":  # the default start method in a script is spawn
+            info = tu.run(probe, cores=8)
+            out = tu.run(tpu_train.train_fn, cores=8)
+            ref = reference_train(global_batch=64 * 8)
+            print("RESULT", json.dumps(dict(info, diff=max_param_diff(out["state"], ref["state"]),
+                losses=out["losses"].tolist(), ref_losses=ref["losses"].tolist(),
+                parent_runtime=torch_xla._XLAC._xla_runtime_is_initialized())))
+    """)
+    r = proc.result
+    assert r["world"] == 8 and r["spmd"] and r["devices"] == 8 and not r["parent_runtime"]
+    assert r["batch"] == [512, 20] and r["steps"] == 2048 // 512
+    assert "devices=[8,1]" in r["sharding"], r["sharding"]  # batch dim split over 8 devices
+    assert abs(r["lr"] - 8e-3) < 1e-12
+    assert r["diff"] < 1e-5, r["diff"]
+    assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) < 1e-4
+
+
+def test_loader_order_is_a_fresh_seeded_permutation_each_epoch(run_script):
+    proc = run_script("""
+        import json, torch, tpu_utility as tu
+        def order(batch_size):
+            ds = torch.utils.data.TensorDataset(torch.arange(100))
+            loader = tu.make_loader(ds, batch_size=batch_size, seed=5, num_workers=0)
+            return [[b[0].cpu().tolist() for b in loader] for epoch in range(2)]
+        # cores=1 then cores=8 in one process: each run gets a fresh runtime in a child.
+        one = tu.run(order, cores=1, args=(4,), start_method="fork")
+        eight = tu.run(order, cores=8, args=(4,), start_method="fork")
+        print("RESULT", json.dumps({"one": one, "eight": eight}))
+    """)
+    r = proc.result
+    for epoch in range(2):
+        perm = __import__("torch").randperm(100, generator=__import__("torch").Generator().manual_seed(5 + epoch)).tolist()
+        assert r["one"][epoch] == [perm[i:i + 4] for i in range(0, 100 - 3, 4)]
+        assert r["eight"][epoch] == [perm[i:i + 32] for i in range(0, 100 - 31, 32)]  # drop_last
+    assert r["one"][0] != r["one"][1]
+
+
+def test_without_torch_xla_the_same_script_runs_on_cpu_torch(run_script):
+    proc = run_script("""
+        import sys
+        sys.modules["torch_xla"] = None  # the point of this test: torch_xla is absent
+        import json, torch, tpu_utility as tu, tpu_train
+        from reference import reference_train, max_param_diff
+        info = tu.setup_tpu(verbose=False)
+        out = tu.run(tpu_train.train_fn, cores=1, start_method="fork")
+        ref = reference_train(global_batch=64)
+        print("RESULT", json.dumps({"has_xla": info.has_xla, "device": str(tu.get_device()),
+            "losses": out["losses"].tolist(), "diff": max_param_diff(out["state"], ref["state"]),
+            "xla_loaded": any(m.startswith("torch_xla.") for m in sys.modules)}))
+    """)
+    r = proc.result
+    assert r["has_xla"] is False and r["device"] == "cpu" and not r["xla_loaded"]
+    assert r["losses"][-1] < 0.8 * r["losses"][0]
+    assert r["diff"] < 1e-5

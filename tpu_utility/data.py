@@ -1,0 +1,148 @@
+"""Data: the swap for `DataLoader(...)` that shards, reshuffles and feeds the device."""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterator, Optional
+
+from . import devices
+from .devices import get_device, ordinal
+
+
+class DeviceLoader:
+    """What `make_loader` returns: iterate it once per epoch, like a DataLoader.
+
+    Each new iteration is a new epoch: the sampler is reseeded with `seed + epoch`, so
+    every replica draws the same permutation and takes its own slice of it.
+    """
+
+    def __init__(self, loader, sampler, device, sharding=None):
+        self.loader = loader  # the torch DataLoader underneath
+        self.sampler = sampler
+        self.device = device
+        self.epoch = 0
+        self._xla_loader = None
+        if device.type == "xla":
+            import torch_xla.distributed.parallel_loader as pl
+            self._xla_loader = pl.MpDeviceLoader(loader, device, input_sharding=sharding)
+
+    @property
+    def dataset(self):
+        return self.loader.dataset
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per step and replica (global batch under SPMD)."""
+        return self.loader.batch_size
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator:
+        self.sampler.set_epoch(self.epoch)
+        self.epoch += 1
+        if self._xla_loader is not None:
+            return iter(self._xla_loader)  # uploads ahead and cuts the graph each step
+        return (_to_device(b, self.device) for b in self.loader)
+
+
+def _to_device(batch, device):
+    import torch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return type(batch)((k, _to_device(v, device)) for k, v in batch.items())
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_to_device(v, device) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch
+
+
+class _BatchSharding:
+    """Shards dim 0 of every input tensor over the mesh's "data" axis, whatever its rank.
+
+    torch_xla's ShardingSpec fits one rank only; images and labels differ in rank.
+    """
+
+    minibatch = False
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        self._specs = {}
+
+    def xla_spec(self, t):
+        if t.dim() == 0:
+            return None
+        if t.dim() not in self._specs:
+            import torch_xla.distributed.spmd as xs
+            self._specs[t.dim()] = xs.ShardingSpec(self.mesh, ("data",) + (None,) * (t.dim() - 1))
+        return self._specs[t.dim()].xla_spec(t)
+
+
+def default_workers(replicas_per_host: int = 1) -> int:
+    """DataLoader workers per replica: the host's cores shared out, 0 when under 2."""
+    n = min(4, (os.cpu_count() or 1) // max(1, replicas_per_host))
+    return n if n >= 2 else 0
+
+
+def make_loader(data, batch_size: Optional[int] = None, *, train: bool = True,
+                shuffle: Optional[bool] = None, drop_last: Optional[bool] = None,
+                num_workers: Optional[int] = None, seed: int = 0,
+                collate_fn: Optional[Callable] = None, **loader_kwargs: Any) -> DeviceLoader:
+    """The swap for `DataLoader(dataset, batch_size, shuffle=True)`.
+
+    `batch_size` is per core, as in every TPU tutorial. `train=True` means shuffle and
+    `drop_last=True` (static shapes: a short last batch costs a new compile); pass
+    `train=False` for evaluation. With one replica per device each replica reads its
+    own slice (a DistributedSampler); under SPMD each step reads one global batch of
+    `batch_size * cores` and shards it over the devices. Batches arrive on the device.
+    An existing DataLoader is converted, keeping its dataset, batch size and collate_fn.
+
+    Example:
+        >>> import torch, tpu_utility as tu
+        >>> ds = torch.utils.data.TensorDataset(torch.randn(64, 3), torch.randn(64))
+        >>> loader = tu.make_loader(ds, batch_size=16, num_workers=0)
+        >>> len(loader)
+        4
+    """
+    import torch
+    from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+    if isinstance(data, DataLoader):
+        batch_size = batch_size or data.batch_size
+        collate_fn = collate_fn or data.collate_fn
+        num_workers = data.num_workers if num_workers is None else num_workers
+        if shuffle is None and not train:
+            shuffle = isinstance(data.sampler, RandomSampler)
+        data = data.dataset
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int (per core), got {batch_size!r}")
+    if isinstance(data, torch.utils.data.IterableDataset):
+        raise TypeError("make_loader needs a map-style Dataset (with __len__ and __getitem__) "
+                        "so it can shard it over replicas; convert the IterableDataset to a list "
+                        "or a TensorDataset first")
+    shuffle = train if shuffle is None else shuffle
+    drop_last = train if drop_last is None else drop_last
+
+    replicas, rank, per_step = 1, 0, batch_size
+    if devices.RUNNING.engine == "launch":
+        replicas, rank = devices.RUNNING.world_size, ordinal()
+    elif devices.RUNNING.engine == "spmd":
+        per_step = batch_size * devices.RUNNING.world_size
+    # One sampler for every engine, so all see the same permutation (seed + epoch).
+    sampler = DistributedSampler(data, num_replicas=replicas, rank=rank, shuffle=shuffle,
+                                 seed=seed, drop_last=drop_last)
+    if num_workers is None:
+        num_workers = default_workers(replicas if devices.RUNNING.engine == "launch" else 1)
+    if num_workers > 0:
+        loader_kwargs.setdefault("persistent_workers", True)
+    kwargs = {} if collate_fn is None else {"collate_fn": collate_fn}
+    loader = DataLoader(data, batch_size=per_step, sampler=sampler, drop_last=drop_last,
+                        num_workers=num_workers, **kwargs, **loader_kwargs)
+    if len(loader) == 0:
+        raise ValueError(
+            f"make_loader: {len(data)} samples make no full batch of {per_step} "
+            f"({batch_size} per core x {max(replicas, devices.RUNNING.world_size)} cores) with drop_last=True; "
+            f"use a smaller batch_size or more data")
+    sharding = _BatchSharding(devices.RUNNING.mesh) if devices.RUNNING.engine == "spmd" else None
+    return DeviceLoader(loader, sampler, get_device(), sharding)
