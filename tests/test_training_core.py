@@ -91,3 +91,16 @@ def test_without_torch_xla_the_same_script_runs_on_cpu_torch(run_script):
     assert r["has_xla"] is False and r["device"] == "cpu" and not r["xla_loaded"]
     assert r["losses"][-1] < 0.8 * r["losses"][0]
     assert r["diff"] < 1e-5
+
+
+def test_conversion_is_the_documented_handful_of_lines():
+    import difflib
+    from conftest import ROOT
+    cuda = (ROOT / "examples" / "cuda_train.py").read_text().splitlines()
+    tpu = (ROOT / "examples" / "tpu_train.py").read_text().splitlines()
+    changed = [l for l in difflib.unified_diff(cuda, tpu, lineterm="", n=0)
+               if l[:1] in "+-" and not l.startswith(("+++", "---"))]
+    readme = (ROOT / "README.md").read_text()
+    assert len([l for l in changed if l.startswith("+")]) <= 5, changed
+    for line in changed:  # the README shows this diff
+        assert line[1:].strip() in readme, line

@@ -1,0 +1,138 @@
+"""run(): engine choice, bad input, the multi-process launch path, replica errors."""
+import pytest
+
+import tpu_utility as tu
+from tpu_utility.environment import setup_tpu
+from tpu_utility.launcher import choose_engine
+
+
+def test_cores_must_be_one_or_the_device_count(monkeypatch):
+    monkeypatch.delenv("CPU_NUM_DEVICES", raising=False)
+    for bad in (0, 3, 16):
+        with pytest.raises(ValueError, match=r"cores must be 1 or 8 .*got"):
+            tu.run(print, cores=bad)
+    monkeypatch.setenv("CPU_NUM_DEVICES", "4")
+    with pytest.raises(ValueError, match="cores must be 1 or 4"):
+        tu.run(print, cores=8)
+
+
+def test_engine_choice_on_cpu(monkeypatch):
+    monkeypatch.delenv("CPU_NUM_DEVICES", raising=False)
+    info = setup_tpu(verbose=False)
+    assert choose_engine(1, info) == "single"
+    assert choose_engine(8, info) == "spmd"
+    with pytest.raises(ValueError, match="engine must be one of"):
+        choose_engine(8, info, "threads")
+
+
+def test_launch_engine_refused_on_multi_device_cpu(monkeypatch):
+    monkeypatch.delenv("CPU_NUM_DEVICES", raising=False)
+    with pytest.raises(ValueError, match=r"would hang.*engine='spmd'.*cores=1"):
+        tu.run(print, cores=8, engine="launch")
+
+
+def test_unpicklable_train_fn_under_spawn_says_module_level(monkeypatch):
+    monkeypatch.setenv("CPU_NUM_DEVICES", "1")
+    with pytest.raises(ValueError, match="module level"):
+        tu.run(lambda: 1, cores=1, engine="launch", start_method="spawn")
+
+    def nested():
+        return 1
+    with pytest.raises(ValueError, match="module level"):
+        tu.run(nested, cores=1, start_method="spawn")
+
+
+def test_runtime_started_before_a_multi_core_run_is_explained(run_script):
+    proc = run_script("""
+        import json, torch, tpu_utility as tu
+        x = torch.ones(2, device=tu.get_device())  # the top of a notebook, say
+        def noop():
+            return 1
+        messages = {}
+        for cores in (8,):
+            try:
+                tu.run(noop, cores=cores, start_method="fork")
+            except RuntimeError as e:
+                messages[cores] = str(e)
+        # a cores=1 run in a process that holds its device just runs here
+        one = tu.run(noop, cores=1)
+        print("RESULT", json.dumps({"messages": messages, "one": one}))
+    """)
+    msg = proc.result["messages"]["8"]
+    assert "already started" in msg and "XLA device was used" in msg and "Restart" in msg
+    assert proc.result["one"] == 1
+
+
+LAUNCH_SCRIPT = """
+    import json, multiprocessing, os, sys, time, torch
+    import tpu_utility as tu
+
+    def train_fn(scale):
+        import torch_xla.runtime as xr
+        x = torch.arange(4.0, device=tu.get_device()) * scale
+        return {"x": x, "world": xr.world_size(), "engine": tu.devices.RUNNING.engine,
+                "pid": os.getpid()}
+
+    def failing():
+        torch.ones(1, device=tu.get_device())
+        raise ValueError("boom in replica 0")
+
+    def crashing():
+        os._exit(3)
+
+    def sleeping():
+        time.sleep(60)
+
+    def children():
+        out = []
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    with open(f"/proc/{d}/stat") as f:
+                        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                    with open(f"/proc/{d}/cmdline") as f:
+                        helper = "resource_tracker" in f.read()  # multiprocessing's own, for spawn
+                    if ppid == os.getpid() and not helper:
+                        out.append(int(d))
+                except OSError:
+                    pass
+        return out
+
+    if __name__ == "__main__":
+        method = sys.argv[1] if len(sys.argv) > 1 else "START_METHOD"
+        res = {}
+        out = tu.run(train_fn, cores=1, args=(3.0,), engine="launch", start_method=method)
+        res["x"], res["world"], res["engine"] = out["x"].tolist(), out["world"], out["engine"]
+        res["x_device"], res["other_pid"] = out["x"].device.type, out["pid"] != os.getpid()
+        t = time.monotonic()
+        try:
+            tu.run(failing, cores=1, engine="launch", start_method=method)
+        except ValueError as e:
+            res["error"] = str(e)
+            res["cause"] = str(e.__cause__)
+        res["error_s"] = time.monotonic() - t
+        try:
+            tu.run(crashing, cores=1, engine="launch", start_method=method)
+        except RuntimeError as e:
+            res["crash"] = str(e)
+        try:
+            tu.run(sleeping, cores=1, engine="launch", start_method=method, timeout=3)
+        except TimeoutError as e:
+            res["timeout"] = str(e)
+        res["orphans"] = len(multiprocessing.active_children()) + len(children())
+        print("RESULT", json.dumps(res))
+"""
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_launch_path_returns_result_and_reraises_replica_errors(run_script, method):
+    proc = run_script(LAUNCH_SCRIPT.replace("START_METHOD", method), CPU_NUM_DEVICES=1)
+    r = proc.result
+    assert r["x"] == [0.0, 3.0, 6.0, 9.0] and r["x_device"] == "cpu" and r["other_pid"]
+    assert r["world"] == 1 and r["engine"] == "launch"
+    assert r["error"] == "boom in replica 0"
+    assert "Replica 0 traceback" in r["cause"] and "in failing" in r["cause"]
+    assert "exit codes" in r["crash"] and ": 3" in r["crash"]
+    assert "timed out" in r["timeout"]
+    assert r["orphans"] == 0
+    print(f"{method}: replica error re-raised after {r['error_s']:.1f} s")
