@@ -60,18 +60,32 @@ def test_loader_order_is_a_fresh_seeded_permutation_each_epoch(run_script):
         def order(batch_size):
             ds = torch.utils.data.TensorDataset(torch.arange(100))
             loader = tu.make_loader(ds, batch_size=batch_size, seed=5, num_workers=0)
-            return [[b[0].cpu().tolist() for b in loader] for epoch in range(2)]
+            # An existing DataLoader is converted: its batch size, shuffling off for eval.
+            dl = torch.utils.data.DataLoader(ds, batch_size=batch_size)
+            evaluation = [b[0].cpu().tolist() for b in tu.make_loader(dl, train=False)]
+            try:
+                tu.make_loader(ds, batch_size=128)
+                too_few = ""
+            except ValueError as e:
+                too_few = str(e)
+            return {"epochs": [[b[0].cpu().tolist() for b in loader] for epoch in range(2)],
+                    "eval": evaluation, "too_few": too_few}
         # cores=1 then cores=8 in one process: each run gets a fresh runtime in a child.
         one = tu.run(order, cores=1, args=(4,), start_method="fork")
         eight = tu.run(order, cores=8, args=(4,), start_method="fork")
         print("RESULT", json.dumps({"one": one, "eight": eight}))
     """)
-    r = proc.result
+    import torch
+    one, eight = proc.result["one"], proc.result["eight"]
     for epoch in range(2):
-        perm = __import__("torch").randperm(100, generator=__import__("torch").Generator().manual_seed(5 + epoch)).tolist()
-        assert r["one"][epoch] == [perm[i:i + 4] for i in range(0, 100 - 3, 4)]
-        assert r["eight"][epoch] == [perm[i:i + 32] for i in range(0, 100 - 31, 32)]  # drop_last
-    assert r["one"][0] != r["one"][1]
+        perm = torch.randperm(100, generator=torch.Generator().manual_seed(5 + epoch)).tolist()
+        assert one["epochs"][epoch] == [perm[i:i + 4] for i in range(0, 100 - 3, 4)]
+        assert eight["epochs"][epoch] == [perm[i:i + 32] for i in range(0, 100 - 31, 32)]  # drop_last
+    assert one["epochs"][0] != one["epochs"][1]
+    assert one["eval"] == [list(range(i, i + 4)) for i in range(0, 100, 4)]
+    assert sum(eight["eval"], []) == list(range(100))  # global batches of 32, short last one kept
+    assert "100 samples make no full batch of 128" in one["too_few"]
+    assert "1024 (128 per core x 8 cores)" in eight["too_few"]
 
 
 def test_without_torch_xla_the_same_script_runs_on_cpu_torch(run_script):
