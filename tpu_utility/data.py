@@ -12,37 +12,80 @@ class DeviceLoader:
     """What `make_loader` returns: iterate it once per epoch, like a DataLoader.
 
     Each new iteration is a new epoch: the sampler is reseeded with `seed + epoch`, so
-    every replica draws the same permutation and takes its own slice of it.
+    every replica draws the same permutation and takes its own slice of it. The torch
+    DataLoader underneath is built for the engine running when it is used, so a loader
+    made at the top of a notebook is sharded correctly inside `run(train_fn, cores=8)`,
+    and making one never starts the XLA runtime.
     """
 
-    def __init__(self, loader, sampler, device, sharding=None):
-        self.loader = loader  # the torch DataLoader underneath
-        self.sampler = sampler
-        self.device = device
+    def __init__(self, dataset, batch_size: int, shuffle: bool, drop_last: bool,
+                 num_workers: Optional[int], seed: int, loader_kwargs: dict):
+        self.dataset = dataset
+        self.per_core_batch_size = batch_size
+        self.shuffle, self.drop_last, self.seed = shuffle, drop_last, seed
+        self.num_workers = num_workers
+        self.loader_kwargs = loader_kwargs
         self.epoch = 0
-        self._xla_loader = None
-        if device.type == "xla":
-            import torch_xla.distributed.parallel_loader as pl
-            self._xla_loader = pl.MpDeviceLoader(loader, device, input_sharding=sharding)
+        self._built = None  # (key, torch DataLoader, MpDeviceLoader or None)
 
     @property
-    def dataset(self):
-        return self.loader.dataset
+    def loader(self):
+        """The torch DataLoader for the current engine."""
+        return self._build()[1]
 
     @property
     def batch_size(self) -> int:
-        """Samples per step and replica (global batch under SPMD)."""
+        """Samples per step and replica (the global batch under SPMD)."""
         return self.loader.batch_size
 
     def __len__(self) -> int:
         return len(self.loader)
 
+    def _build(self):
+        from torch.utils.data import DataLoader, DistributedSampler
+        state = devices.RUNNING
+        replicas, rank, per_step = 1, 0, self.per_core_batch_size
+        if state.engine == "launch":
+            replicas, rank = state.world_size, ordinal()
+        elif state.engine == "spmd":
+            per_step *= state.world_size
+        key = (state.engine, state.world_size, rank, id(state.mesh))
+        if self._built is not None and self._built[0] == key:
+            return self._built
+        # One sampler for every engine, so all see the same permutation (seed + epoch).
+        sampler = DistributedSampler(self.dataset, num_replicas=replicas, rank=rank,
+                                     shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last)
+        workers = self.num_workers
+        if workers is None:
+            workers = default_workers(replicas if state.engine == "launch" else 1)
+        kwargs = dict(self.loader_kwargs)
+        if workers > 0:
+            kwargs.setdefault("persistent_workers", True)
+        loader = DataLoader(self.dataset, batch_size=per_step, sampler=sampler,
+                            drop_last=self.drop_last, num_workers=workers, **kwargs)
+        if len(loader) == 0:
+            raise ValueError(
+                f"make_loader: {len(self.dataset)} samples make no full batch of {per_step} "
+                f"({self.per_core_batch_size} per core x {max(replicas, state.world_size)} "
+                f"cores) with drop_last=True; use a smaller batch_size or more data")
+        self._built = (key, loader, None)
+        return self._built
+
     def __iter__(self) -> Iterator:
-        self.sampler.set_epoch(self.epoch)
+        key, loader, device_loader = self._build()
+        loader.sampler.set_epoch(self.epoch)
         self.epoch += 1
-        if self._xla_loader is not None:
-            return iter(self._xla_loader)  # uploads ahead and cuts the graph each step
-        return (_to_device(b, self.device) for b in self.loader)
+        device = get_device()
+        if device.type != "xla":
+            return (_to_device(b, device) for b in loader)
+        if device_loader is None:
+            import torch_xla.distributed.parallel_loader as pl
+            sharding = None
+            if devices.RUNNING.engine == "spmd":
+                sharding = _BatchSharding(devices.RUNNING.mesh)
+            device_loader = pl.MpDeviceLoader(loader, device, input_sharding=sharding)
+            self._built = (key, loader, device_loader)
+        return iter(device_loader)  # uploads ahead and cuts the graph each step
 
 
 def _to_device(batch, device):
@@ -106,7 +149,7 @@ def make_loader(data, batch_size: Optional[int] = None, *, train: bool = True,
         4
     """
     import torch
-    from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+    from torch.utils.data import DataLoader, RandomSampler
 
     if isinstance(data, DataLoader):
         batch_size = batch_size or data.batch_size
@@ -123,26 +166,8 @@ def make_loader(data, batch_size: Optional[int] = None, *, train: bool = True,
                         "or a TensorDataset first")
     shuffle = train if shuffle is None else shuffle
     drop_last = train if drop_last is None else drop_last
-
-    replicas, rank, per_step = 1, 0, batch_size
-    if devices.RUNNING.engine == "launch":
-        replicas, rank = devices.RUNNING.world_size, ordinal()
-    elif devices.RUNNING.engine == "spmd":
-        per_step = batch_size * devices.RUNNING.world_size
-    # One sampler for every engine, so all see the same permutation (seed + epoch).
-    sampler = DistributedSampler(data, num_replicas=replicas, rank=rank, shuffle=shuffle,
-                                 seed=seed, drop_last=drop_last)
-    if num_workers is None:
-        num_workers = default_workers(replicas if devices.RUNNING.engine == "launch" else 1)
-    if num_workers > 0:
-        loader_kwargs.setdefault("persistent_workers", True)
-    kwargs = {} if collate_fn is None else {"collate_fn": collate_fn}
-    loader = DataLoader(data, batch_size=per_step, sampler=sampler, drop_last=drop_last,
-                        num_workers=num_workers, **kwargs, **loader_kwargs)
-    if len(loader) == 0:
-        raise ValueError(
-            f"make_loader: {len(data)} samples make no full batch of {per_step} "
-            f"({batch_size} per core x {max(replicas, devices.RUNNING.world_size)} cores) with drop_last=True; "
-            f"use a smaller batch_size or more data")
-    sharding = _BatchSharding(devices.RUNNING.mesh) if devices.RUNNING.engine == "spmd" else None
-    return DeviceLoader(loader, sampler, get_device(), sharding)
+    if collate_fn is not None:
+        loader_kwargs["collate_fn"] = collate_fn
+    out = DeviceLoader(data, batch_size, shuffle, drop_last, num_workers, seed, loader_kwargs)
+    len(out)  # too few samples for one batch: say so now, not at the first epoch
+    return out
