@@ -19,10 +19,10 @@ class DeviceLoader:
     """
 
     def __init__(self, dataset, batch_size: int, shuffle: bool, drop_last: bool,
-                 num_workers: Optional[int], seed: int, loader_kwargs: dict):
+                 num_workers: Optional[int], seed: int, loader_kwargs: dict, pad: bool = False):
         self.dataset = dataset
         self.per_core_batch_size = batch_size
-        self.shuffle, self.drop_last, self.seed = shuffle, drop_last, seed
+        self.shuffle, self.drop_last, self.seed, self.pad = shuffle, drop_last, seed, pad
         self.num_workers = num_workers
         self.loader_kwargs = loader_kwargs
         self.epoch = 0
@@ -52,8 +52,11 @@ class DeviceLoader:
         key = (state.engine, state.world_size, rank, id(state.mesh))
         if self._built is not None and self._built[0] == key:
             return self._built
+        dataset = self.dataset
+        if self.pad:  # a whole number of full global batches: static shapes, no padding by the sampler
+            dataset = PaddedDataset(dataset, self.per_core_batch_size * state.world_size)
         # One sampler for every engine, so all see the same permutation (seed + epoch).
-        sampler = DistributedSampler(self.dataset, num_replicas=replicas, rank=rank,
+        sampler = DistributedSampler(dataset, num_replicas=replicas, rank=rank,
                                      shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last)
         workers = self.num_workers
         if workers is None:
@@ -61,11 +64,11 @@ class DeviceLoader:
         kwargs = dict(self.loader_kwargs)
         if workers > 0:
             kwargs.setdefault("persistent_workers", True)
-        loader = DataLoader(self.dataset, batch_size=per_step, sampler=sampler,
+        loader = DataLoader(dataset, batch_size=per_step, sampler=sampler,
                             drop_last=self.drop_last, num_workers=workers, **kwargs)
         if len(loader) == 0:
             raise ValueError(
-                f"make_loader: {len(self.dataset)} samples make no full batch of {per_step} "
+                f"make_loader: {len(dataset)} samples make no full batch of {per_step} "
                 f"({self.per_core_batch_size} per core x {max(replicas, state.world_size)} "
                 f"cores) with drop_last=True; use a smaller batch_size or more data")
         self._built = (key, loader, None)
@@ -86,6 +89,24 @@ class DeviceLoader:
             device_loader = pl.MpDeviceLoader(loader, device, input_sharding=sharding)
             self._built = (key, loader, device_loader)
         return iter(device_loader)  # uploads ahead and cuts the graph each step
+
+
+class PaddedDataset:
+    """`dataset` repeated up to a multiple of `multiple`; item i is (sample, i < len(dataset)).
+
+    Evaluation on several replicas needs every replica to take the same number of full
+    batches. The flag lets metrics and predictions drop the repeats.
+    """
+
+    def __init__(self, dataset, multiple: int):
+        self.dataset, self.n = dataset, len(dataset)
+        self.total = -(-self.n // multiple) * multiple if self.n else 0
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __getitem__(self, i: int):
+        return self.dataset[i % self.n], i < self.n
 
 
 def _to_device(batch, device):
@@ -131,7 +152,8 @@ def default_workers(replicas_per_host: int = 1) -> int:
 def make_loader(data, batch_size: Optional[int] = None, *, train: bool = True,
                 shuffle: Optional[bool] = None, drop_last: Optional[bool] = None,
                 num_workers: Optional[int] = None, seed: int = 0,
-                collate_fn: Optional[Callable] = None, **loader_kwargs: Any) -> DeviceLoader:
+                collate_fn: Optional[Callable] = None, pad: bool = False,
+                **loader_kwargs: Any) -> DeviceLoader:
     """The swap for `DataLoader(dataset, batch_size, shuffle=True)`.
 
     `batch_size` is per core, as in every TPU tutorial. `train=True` means shuffle and
@@ -140,6 +162,8 @@ def make_loader(data, batch_size: Optional[int] = None, *, train: bool = True,
     own slice (a DistributedSampler); under SPMD each step reads one global batch of
     `batch_size * cores` and shards it over the devices. Batches arrive on the device.
     An existing DataLoader is converted, keeping its dataset, batch size and collate_fn.
+    `pad=True` (evaluation) repeats samples so that every batch on every replica is full,
+    and yields `(batch, valid)` with `valid` a bool tensor that is False on the repeats.
 
     Example:
         >>> import torch, tpu_utility as tu
@@ -166,8 +190,10 @@ def make_loader(data, batch_size: Optional[int] = None, *, train: bool = True,
                         "or a TensorDataset first")
     shuffle = train if shuffle is None else shuffle
     drop_last = train if drop_last is None else drop_last
+    if pad and drop_last:
+        raise ValueError("pad=True keeps every sample: use it with train=False or drop_last=False")
     if collate_fn is not None:
         loader_kwargs["collate_fn"] = collate_fn
-    out = DeviceLoader(data, batch_size, shuffle, drop_last, num_workers, seed, loader_kwargs)
+    out = DeviceLoader(data, batch_size, shuffle, drop_last, num_workers, seed, loader_kwargs, pad)
     len(out)  # too few samples for one batch: say so now, not at the first epoch
     return out

@@ -59,6 +59,13 @@ def optimizer_step(opt, **step_kwargs):
     return opt.step(**step_kwargs)
 
 
+def sync() -> None:
+    """Cut the graph and run everything pending (`torch_xla.sync()`); a no-op off XLA."""
+    if RUNNING.engine != "torch":
+        import torch_xla
+        torch_xla.sync()
+
+
 def world_size() -> int:
     """Number of replicas (launch) or data-parallel devices (spmd); 1 otherwise."""
     return RUNNING.world_size
@@ -122,7 +129,7 @@ def to_cpu(obj: Any) -> Any:
         torch_xla._XLAC._xla_sync_multi(xla, devices=[], wait=True, sync_xla_data=False)
         for t, c in zip(xla, torch_xla._XLAC._xla_get_cpu_tensors(xla)):
             moved[id(t)] = c
-    return _rebuild(obj, lambda t: moved.get(id(t), t.detach().cpu()))
+    return _rebuild(obj, lambda t: moved[id(t)] if id(t) in moved else t.detach().cpu())
 
 
 def _rebuild(o: Any, fn) -> Any:

@@ -1,0 +1,173 @@
+"""Reporting: progress bars, epoch tables and PNG plots (Pillow, no matplotlib).
+
+Bars show in notebooks and terminals only. Piped output (CI logs, `nohup`) gets one
+line per epoch instead of a stream of carriage-return redraws: fastprogress 1.0.x
+treats every stdout as a terminal. Bars are updated with Python ints only, so a
+bar never reads the device.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Iterable, Optional, Sequence
+
+from .devices import is_master
+from .environment import in_notebook
+
+
+def bars_wanted(enabled: bool = True) -> bool:
+    """Whether to draw progress bars here: master replica, and a notebook or a terminal."""
+    if not enabled or not is_master():
+        return False
+    isatty = getattr(sys.stdout, "isatty", None)
+    return in_notebook() or bool(isatty and isatty())
+
+
+def progress_bar(iterable: Iterable, total: Optional[int] = None, *, parent=None,
+                 enabled: bool = True, comment: str = ""):
+    """A fastprogress bar over `iterable` where bars are wanted, else `iterable` itself."""
+    if parent is None and not bars_wanted(enabled):
+        return iterable
+    from fastprogress.fastprogress import progress_bar as bar
+    pb = bar(iterable, total=total, parent=parent)
+    pb.comment = comment
+    return pb
+
+
+class EpochTable:
+    """The per-epoch table: under a fastprogress master bar, or plain printed lines."""
+
+    def __init__(self, epochs: int, names: Sequence[str], enabled: bool = True):
+        self.names = list(names)
+        self.n_epochs = epochs
+        self.printing = enabled and is_master()
+        self.master = None
+        if bars_wanted(enabled):
+            from fastprogress.fastprogress import master_bar
+            self.master = master_bar(range(epochs))
+        self._header_done = False
+
+    def epochs(self) -> Iterable[int]:
+        return self.master if self.master is not None else range(self.n_epochs)
+
+    def batches(self, loader, total: int):
+        if self.master is None:
+            return loader
+        return progress_bar(loader, total=total, parent=self.master)
+
+    def set_comment(self, bar, text: str) -> None:
+        if self.master is not None and hasattr(bar, "comment"):
+            bar.comment = text
+
+    def row(self, values: Sequence) -> None:
+        if not self.printing:
+            return
+        cells = [_fmt(v) for v in values]
+        if self.master is not None:
+            if not self._header_done:
+                self.master.write(self.names, table=True)
+            self.master.write(cells, table=True)
+        else:
+            widths = [max(len(n), 9) for n in self.names]
+            if not self._header_done:
+                print("  ".join(n.ljust(w) for n, w in zip(self.names, widths)), flush=True)
+            print("  ".join(c.ljust(w) for c, w in zip(cells, widths)), flush=True)
+        self._header_done = True
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.6f}" if abs(v) < 1e4 else f"{v:.1f}"
+    return str(v)
+
+
+def xla_counts() -> dict:
+    """Compiles, compile seconds, executions and device-to-host transfers so far.
+
+    Zeros when torch_xla is not in use; reading them never starts the runtime.
+    """
+    import importlib
+    if "torch_xla" not in sys.modules:
+        return {"compiles": 0, "compile_s": 0.0, "executions": 0, "transfers": 0}
+    met = importlib.import_module("torch_xla.debug.metrics")
+
+    def count(name):
+        data = met.metric_data(name)
+        return (data[0], data[1]) if data else (0, 0)
+
+    compiles, compile_ns = count("CompileTime")
+    return {"compiles": compiles, "compile_s": compile_ns / 1e9,
+            "executions": count("ExecuteTime")[0], "transfers": count("TransferFromDeviceTime")[0]}
+
+
+def plot_lines(series: dict, path: Optional[str] = None, *, title: str = "", xlabel: str = "",
+               ylabel: str = "", xlog: bool = False, marks: Sequence = (), size=(640, 420)):
+    """A line plot drawn with Pillow: `series` maps a name to (xs, ys).
+
+    `marks` are (x, label) pairs drawn as vertical lines. Saved as a PNG when `path` is
+    given; returns the PIL image either way.
+
+    Example:
+        >>> img = plot_lines({"loss": ([1, 2, 3], [3.0, 2.0, 2.5])}, title="loss")
+        >>> img.size
+        (640, 420)
+    """
+    import math
+    from PIL import Image, ImageDraw
+    colors = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189)]
+    width, height = size
+    left, right, top, bottom = 70, 20, 30, 45
+    img = Image.new("RGB", size, "white")
+    draw = ImageDraw.Draw(img)
+    tx = (lambda x: math.log10(x)) if xlog else (lambda x: x)
+    points = [(tx(x), y) for xs, ys in series.values() for x, y in zip(xs, ys)
+              if math.isfinite(y) and (not xlog or x > 0)]
+    if not points:
+        draw.text((left, height // 2), "no finite values to plot", fill="black")
+    else:
+        x0, x1 = min(p[0] for p in points), max(p[0] for p in points)
+        y0, y1 = min(p[1] for p in points), max(p[1] for p in points)
+        x1, y1 = (x1 if x1 > x0 else x0 + 1), (y1 if y1 > y0 else y0 + 1)
+
+        def px(x, y):
+            return (left + (tx(x) - x0) / (x1 - x0) * (width - left - right),
+                    top + (y1 - y) / (y1 - y0) * (height - top - bottom))
+
+        draw.rectangle([left, top, width - right, height - bottom], outline="black")
+        for i in range(5):  # axis ticks: 5 per axis
+            fx, fy = x0 + (x1 - x0) * i / 4, y0 + (y1 - y0) * i / 4
+            gx = left + (width - left - right) * i / 4
+            gy = height - bottom - (height - top - bottom) * i / 4
+            draw.line([gx, height - bottom, gx, height - bottom + 4], fill="black")
+            draw.text((gx - 18, height - bottom + 6), f"{10 ** fx:.0e}" if xlog else f"{fx:.3g}", fill="black")
+            draw.line([left - 4, gy, left, gy], fill="black")
+            draw.text((4, gy - 6), f"{fy:.3g}", fill="black")
+        for k, (name, (xs, ys)) in enumerate(series.items()):
+            color = colors[k % len(colors)]
+            line = [px(x, y) for x, y in zip(xs, ys) if math.isfinite(y) and (not xlog or x > 0)]
+            if len(line) > 1:
+                draw.line(line, fill=color, width=2)
+            elif line:
+                draw.ellipse([line[0][0] - 2, line[0][1] - 2, line[0][0] + 2, line[0][1] + 2], fill=color)
+            draw.text((width - right - 120, top + 6 + 14 * k), name, fill=color)
+        for j, (x, label) in enumerate(marks):
+            if xlog and x <= 0:
+                continue
+            gx = px(x, y0)[0]
+            color = colors[(len(series) + j) % len(colors)]
+            draw.line([gx, top, gx, height - bottom], fill=color, width=1)
+            draw.text((min(gx + 3, width - right - 80), top + 6 + 14 * (len(series) + j)), label, fill=color)
+    draw.text((left, 8), title, fill="black")
+    draw.text((width // 2 - 20, height - 16), xlabel, fill="black")
+    draw.text((4, 8), ylabel, fill="black")
+    if path is not None:
+        save_png(img, path)
+    return img
+
+
+def save_png(img, path: str) -> str:
+    """Write a PIL image as PNG atomically (temporary name, then rename)."""
+    import os
+    tmp = f"{path}.tmp-{os.getpid()}"
+    img.save(tmp, format="PNG")
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,433 @@
+"""Training loop: `train_one_cycle`, `predict`, `save` and the `accuracy` metric.
+
+The loop never reads the device in a step: losses and metrics are summed on the device
+and read once per epoch (plus once per `log_every` steps, after the step has run, through
+a step closure). Shapes stay static (full training batches, padded evaluation batches)
+and the schedule never feeds 0.0 or 1.0, so after the first epoch nothing compiles.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from . import devices
+from .data import DeviceLoader, make_loader
+from .devices import get_device, is_master, optimizer_step, sync, to_cpu
+from .reporting import EpochTable, plot_lines, xla_counts
+from .schedules import no_special_scalar, one_cycle
+
+
+@dataclass
+class EpochStats:
+    epoch: int
+    train_loss: float
+    valid_loss: Optional[float]
+    metrics: Dict[str, float]
+    lr: float  # at the end of the epoch
+    seconds: float
+    samples_per_s: float
+    compiles: int  # XLA graphs compiled during the epoch
+    transfers: int  # device-to-host reads during the epoch
+    saved: bool = False
+
+
+@dataclass
+class History:
+    """What `train_one_cycle` returns: one `EpochStats` per epoch, plus the curves."""
+
+    epochs: List[EpochStats] = field(default_factory=list)
+    lrs: List[float] = field(default_factory=list)  # per optimizer step
+    moms: List[float] = field(default_factory=list)
+    logged: List[tuple] = field(default_factory=list)  # (step, running train loss)
+    best: Optional[float] = None
+    plot: Optional[str] = None
+
+    def __getitem__(self, name: str) -> List:
+        """A column over epochs: `history["valid_loss"]`, `history["accuracy"]`."""
+        return [e.metrics[name] if name in e.metrics else getattr(e, name) for e in self.epochs]
+
+
+def accuracy(output, target):
+    """Per-sample accuracy (1.0 or 0.0): pass it in `metrics=` to get the mean.
+
+    Example:
+        >>> import torch
+        >>> accuracy(torch.tensor([[0.1, 0.9], [0.8, 0.2]]), torch.tensor([1, 1])).tolist()
+        [1.0, 0.0]
+    """
+    return (output.argmax(dim=-1) == target).float()
+
+
+def save(obj: Any, path: str) -> Optional[str]:
+    """`torch.save` for TPU runs: master replica only, tensors moved to CPU, written atomically.
+
+    The file appears complete or not at all (temporary name, then rename), so a crash
+    mid-write never leaves a half checkpoint. It loads with a plain `torch.load`.
+
+    Example:
+        >>> import os, tempfile, torch, tpu_utility as tu
+        >>> path = os.path.join(tempfile.mkdtemp(), "model.pt")
+        >>> _ = tu.save({"w": torch.ones(2)}, path)
+        >>> torch.load(path)["w"].tolist()
+        [1.0, 1.0]
+    """
+    import torch
+    obj = to_cpu(obj)
+    if not is_master():
+        return None
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+def train_one_cycle(model, train_loader, opt, loss_fn: Callable, epochs: int,
+                    max_lr: Optional[float] = None, *, valid_loader=None,
+                    metrics: Sequence[Callable] = (), pct_start: float = 0.25, div: float = 25.0,
+                    div_final: float = 1e5, moms: Optional[Sequence[float]] = (0.95, 0.85, 0.95),
+                    grad_accum: int = 1, clip: Optional[float] = None, precision: str = "fp32",
+                    log_every: Optional[int] = 50, progress: bool = True,
+                    batch_fn: Optional[Callable] = None, save_best: Optional[str] = None,
+                    monitor: str = "valid_loss", plot: Optional[str] = None) -> History:
+    """Train with fastai's one-cycle policy: lr and momentum scheduled per step.
+
+    The lr rises from `max_lr/div` to `max_lr` over the first `pct_start` of the steps,
+    then falls to `max_lr/div_final`, both halves cosine; momentum (`momentum`, or
+    `betas[0]` for Adam) goes the other way through `moms`. `max_lr=None` uses the
+    optimizer's lr. Metrics take (output, target) and return one value per sample; they
+    are averaged over the validation set on the device, over every replica, without the
+    samples that padding repeats. `batch_fn(batch) -> (inputs, target)` unpacks batches
+    that are not `(x, y)`; a tuple of inputs is passed as `model(*inputs)`, a dict as
+    `model(**inputs)`. `precision="bf16"` runs forward and loss under autocast.
+    `save_best=path` saves the model's state_dict whenever `monitor` improves. `plot=path`
+    writes a PNG of the loss and lr curves.
+
+    Example:
+        >>> import torch, tpu_utility as tu
+        >>> ds = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+        >>> model = torch.nn.Linear(4, 2).to(tu.get_device())
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        >>> hist = tu.train_one_cycle(model, tu.make_loader(ds, 16, num_workers=0), opt,
+        ...                           torch.nn.functional.cross_entropy, epochs=2, progress=False)
+        >>> len(hist.epochs)
+        2
+    """
+    import torch
+    if not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"epochs must be an int >= 1, got {epochs!r}")
+    if not isinstance(grad_accum, int) or grad_accum < 1:
+        raise ValueError(f"grad_accum must be an int >= 1, got {grad_accum!r}")
+    if log_every is not None and log_every < 1:
+        raise ValueError(f"log_every must be >= 1 or None, got {log_every!r}")
+    train_loader = as_loader(train_loader, train=True, name="train_loader")
+    valid = as_loader(valid_loader, train=False, name="valid_loader", pad=True) if valid_loader is not None else None
+    device = get_device()
+    autocast = autocast_context(precision, device)
+    names = [metric_name(m) for m in metrics]
+    allowed = ["train_loss"] + (["valid_loss"] + names if valid is not None else [])
+    if save_best is not None and monitor not in allowed:
+        raise ValueError(f"monitor={monitor!r} is not computed here; choose one of {allowed} "
+                         f"(valid_loss and metrics need valid_loader)")
+    mom_key = momentum_key(opt) if moms else None
+    max_lrs = [max_lr] * len(opt.param_groups) if max_lr is not None else [g["lr"] for g in opt.param_groups]
+    batches = len(train_loader)
+    steps_per_epoch = math.ceil(batches / grad_accum)
+    total_steps = epochs * steps_per_epoch
+    schedules = [one_cycle(m, pct_start, div, div_final, moms) for m in max_lrs]
+
+    history = History()
+    table = EpochTable(epochs, ["epoch", "train_loss"] + (["valid_loss"] + names if valid else [])
+                       + ["lr", "time", "samples/s"], enabled=progress)
+    lower_is_better = monitor.endswith("loss")
+    loss_sum = zeros((), device)
+    step = 0
+    for epoch in table.epochs():
+        counts0, t0 = xla_counts(), time.perf_counter()
+        model.train()
+        samples = 0
+        bar = table.batches(train_loader, batches)
+        opt.zero_grad()
+        for i, batch in enumerate(bar):
+            check_first_loss(history, max_lrs[0])
+            inputs, target = split_batch(batch, batch_fn)
+            with autocast:
+                loss = loss_fn(forward(model, inputs), target)
+            (loss / grad_accum if grad_accum > 1 else loss).backward()
+            loss_sum += loss.detach()
+            samples += batch_len(inputs)
+            if (i + 1) % grad_accum and i + 1 != batches:
+                continue
+            pos = step / total_steps
+            for group, (lr_at, mom_at) in zip(opt.param_groups, schedules):
+                group["lr"] = no_special_scalar(lr_at(pos))
+                if mom_key == "betas":
+                    group["betas"] = (no_special_scalar(mom_at(pos)), group["betas"][1])
+                elif mom_key == "momentum":
+                    group["momentum"] = no_special_scalar(mom_at(pos))
+            history.lrs.append(opt.param_groups[0]["lr"])
+            if mom_key:
+                history.moms.append(mom_at(pos))
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            optimizer_step(opt)
+            opt.zero_grad()
+            step += 1
+            if step == 1 or (log_every and step % log_every == 0):
+                log_after_step(loss_sum, i + 1, step, history, table, bar)
+        check_first_loss(history, max_lrs[0])
+        stats = [loss_sum / batches]
+        if valid is not None:
+            stats += evaluate(model, valid, loss_fn, metrics, batch_fn, autocast)
+        stats = torch.stack(stats)
+        # Zeroed in this graph, not re-created: under SPMD a fresh upload makes the first
+        # step of each epoch a graph of its own.
+        loss_sum.zero_()
+        sync()  # one graph for everything pending, the same every epoch
+        values = to_cpu(stats).tolist()  # the epoch's one read
+        seconds = time.perf_counter() - t0
+        train_loss, rest = values[0], values[1:]
+        metric_values = dict(zip(names, rest[1:]))
+        e = EpochStats(epoch, train_loss, rest[0] if rest else None, metric_values,
+                       history.lrs[-1], seconds, samples * replicas() / seconds, 0, 0)
+        current = {"train_loss": e.train_loss, "valid_loss": e.valid_loss, **metric_values}
+        if save_best is not None:
+            value = current[monitor]  # reduced over replicas: every replica decides alike
+            better = history.best is None or (value < history.best if lower_is_better else value > history.best)
+            if better and math.isfinite(value):
+                history.best, e.saved = value, True
+                save(model.state_dict(), save_best)
+        counts1 = xla_counts()
+        e.compiles = counts1["compiles"] - counts0["compiles"]
+        e.transfers = counts1["transfers"] - counts0["transfers"]
+        history.epochs.append(e)
+        table.row([epoch + 1, train_loss] + ([e.valid_loss] + list(metric_values.values()) if valid else [])
+                  + [e.lr, f"{seconds:.1f}s", f"{e.samples_per_s:.0f}"])
+    if plot is not None and is_master():
+        history.plot = plot_history(history, plot)
+    return history
+
+
+def log_after_step(loss_sum, batches_done: int, step: int, history: History, table, bar) -> None:
+    """Read the running loss once this step has run (reading it earlier would run it twice)."""
+    def log(total):
+        value = total.item() / batches_done
+        history.logged.append((step, value))
+        table.set_comment(bar, f"loss {value:.4f}")
+    if get_device().type == "xla":
+        import torch_xla.core.xla_model as xm
+        xm.add_step_closure(log, (loss_sum,))  # runs at the loader's next graph cut
+    else:
+        log(loss_sum)
+
+
+def check_first_loss(history: History, max_lr: float) -> None:
+    """Stop at once when the very first step's loss is not finite: nothing would train."""
+    if history.logged and history.logged[0][0] == 1 and not math.isfinite(history.logged[0][1]):
+        raise FloatingPointError(
+            f"the training loss is {history.logged[0][1]} from the first step: check the inputs, "
+            f"the loss function and the learning rate (max_lr={max_lr:g}); try lr_find")
+
+
+def evaluate(model, loader, loss_fn, metrics, batch_fn, autocast) -> list:
+    """Device tensors: [mean loss, mean of each metric] over the real (not padded) samples."""
+    import torch
+    device = get_device()
+    model.eval()
+    sums, count = zeros(1 + len(metrics), device), zeros((), device)
+    with torch.no_grad():
+        for batch, real in loader:
+            inputs, target = split_batch(batch, batch_fn)
+            with autocast:
+                output = forward(model, inputs)
+                losses = per_sample_loss(loss_fn, output, target)
+            real = real.to(losses.dtype)
+            values = [losses.float()] + [m(output, target).float().reshape(-1) for m in metrics]
+            sums += torch.stack([(v * real).sum() for v in values])
+            count += real.sum()
+    if devices.RUNNING.engine == "launch" and devices.RUNNING.world_size > 1:
+        import torch_xla.core.xla_model as xm
+        sums, count = xm.all_reduce(xm.REDUCE_SUM, [sums, count])
+    means = sums / count
+    return [means[k] for k in range(len(means))]
+
+
+def predict(model, data, *, batch_size: Optional[int] = None, batch_fn: Optional[Callable] = None,
+            precision: str = "fp32"):
+    """The model's outputs for a whole dataset, in dataset order, on CPU.
+
+    `data` is a Dataset, DataLoader or `make_loader` loader; `batch_size` is per core.
+    Every sample appears once, at any number of cores: evaluation batches are padded
+    to full size and the repeats dropped. Targets, if the dataset has them, are ignored.
+
+    Example:
+        >>> import torch, tpu_utility as tu
+        >>> ds = torch.utils.data.TensorDataset(torch.arange(10.).reshape(10, 1), torch.zeros(10))
+        >>> model = torch.nn.Identity()
+        >>> tu.predict(model, ds, batch_size=4).flatten().tolist()
+        [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]
+    """
+    import torch
+    loader = as_loader(data, train=False, name="data", pad=True, batch_size=batch_size)
+    n = len(loader.dataset)
+    autocast = autocast_context(precision, get_device())
+    model.eval()
+    outputs = []
+    with torch.no_grad():
+        for batch, _ in loader:
+            inputs, _target = split_batch(batch, batch_fn, need_target=False)
+            with autocast:
+                outputs.append(forward(model, inputs).detach())
+    out = torch.cat(outputs)
+    state = devices.RUNNING
+    if state.engine == "launch" and state.world_size > 1:
+        import torch_xla.core.xla_model as xm
+        # Replica r holds dataset positions r, r + W, r + 2W, ...: gather, then interleave.
+        out = xm.all_gather(out, dim=0)
+        w = state.world_size
+        out = out.reshape(w, -1, *out.shape[1:]).transpose(0, 1).reshape(-1, *out.shape[1:])
+    return to_cpu(out)[:n]
+
+
+# Helpers shared by the loops here and by lr_find.
+
+def zeros(shape, device):
+    """Zeros uploaded as data: `torch.zeros(device=xla)` would be a graph constant, and the
+    first step of every epoch would then be a different graph from the others."""
+    import torch
+    return torch.zeros(shape).to(device)
+
+
+def as_loader(data, *, train: bool, name: str, pad: bool = False, batch_size: Optional[int] = None) -> DeviceLoader:
+    """A make_loader loader for `data`, with the checks that stop a run from training nothing."""
+    import torch
+    if isinstance(data, DeviceLoader):
+        if pad and not data.pad:
+            data = make_loader(data.dataset, batch_size or data.per_core_batch_size, train=False,
+                               pad=True, num_workers=data.num_workers, **data.loader_kwargs)
+        loader = data
+    elif isinstance(data, torch.utils.data.DataLoader):
+        loader = make_loader(data, batch_size, train=train, pad=pad, drop_last=False if pad else None)
+    elif isinstance(data, torch.utils.data.Dataset) or hasattr(data, "__getitem__"):
+        if batch_size is None and len(data) and not pad:
+            raise ValueError(f"{name} is a dataset: pass a loader from make_loader (or batch_size)")
+        loader = make_loader(data, batch_size or 64, train=train, pad=pad)
+    else:
+        raise TypeError(f"{name} must be a Dataset, a DataLoader or a make_loader loader, got {type(data).__name__}")
+    if len(loader.dataset) == 0 or len(loader) == 0:
+        raise ValueError(f"{name} is empty: it has {len(loader.dataset)} samples")
+    return loader
+
+
+def split_batch(batch, batch_fn=None, need_target: bool = True):
+    if batch_fn is not None:
+        return batch_fn(batch)
+    if isinstance(batch, (list, tuple)) and len(batch) == 2:
+        return batch[0], batch[1]
+    if not need_target and isinstance(batch, (list, tuple)) and len(batch) == 1:
+        return batch[0], None
+    raise ValueError(f"a batch of {type(batch).__name__} is not (inputs, target): pass "
+                     f"batch_fn=lambda batch: (inputs, target)")
+
+
+def forward(model, inputs):
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    return model(inputs)
+
+
+def batch_len(inputs) -> int:
+    import torch
+    if isinstance(inputs, torch.Tensor):
+        return inputs.shape[0] if inputs.dim() else 1
+    items = inputs.values() if isinstance(inputs, dict) else inputs
+    for item in items:
+        return batch_len(item)
+    return 0
+
+
+def replicas() -> int:
+    return devices.RUNNING.world_size if devices.RUNNING.engine == "launch" else 1
+
+
+def per_sample_loss(loss_fn, output, target):
+    """The loss of each sample, so padding repeats can be left out of the mean."""
+    module_reduction = getattr(loss_fn, "reduction", None)
+    if module_reduction is not None:
+        loss_fn.reduction = "none"
+        try:
+            losses = loss_fn(output, target)
+        finally:
+            loss_fn.reduction = module_reduction
+    elif _takes_reduction(loss_fn):
+        losses = loss_fn(output, target, reduction="none")
+    else:  # no per-sample form: every sample gets the batch mean
+        losses = loss_fn(output, target).expand(batch_len(output))
+    return losses.reshape(losses.shape[0], -1).mean(1) if losses.dim() > 1 else losses
+
+
+def _takes_reduction(fn) -> bool:
+    try:
+        return "reduction" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def metric_name(metric) -> str:
+    return getattr(metric, "__name__", type(metric).__name__)
+
+
+def momentum_key(opt) -> str:
+    group = opt.param_groups[0]
+    if "betas" in group:
+        return "betas"
+    if "momentum" in group:
+        return "momentum"
+    raise ValueError(f"{type(opt).__name__} has neither `momentum` nor `betas` to schedule: "
+                     f"pass moms=None")
+
+
+def autocast_context(precision: str, device):
+    import contextlib
+    import torch
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    if precision == "fp16":
+        if device.type == "xla":
+            raise ValueError("precision='fp16' is not supported on XLA (TPUs have no fast "
+                             "fp16 and XLA autocast has no loss scaling): use precision='bf16'")
+        return torch.autocast(device.type, dtype=torch.float16)
+    raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp16', got {precision!r}")
+
+
+def plot_history(history: History, path: str) -> str:
+    """Loss curves (per epoch and logged steps) over steps, and the lr schedule, as one PNG."""
+    from PIL import Image
+    steps = len(history.lrs) // max(1, len(history.epochs))
+    losses = {"train (epoch)": ([(e.epoch + 1) * steps for e in history.epochs],
+                                [e.train_loss for e in history.epochs])}
+    if history.logged:
+        losses["train (logged)"] = ([s for s, _ in history.logged], [v for _, v in history.logged])
+    if history.epochs and history.epochs[0].valid_loss is not None:
+        losses["valid"] = ([(e.epoch + 1) * steps for e in history.epochs], [e.valid_loss for e in history.epochs])
+    top = plot_lines(losses, title="loss", xlabel="step", ylabel="loss")
+    bottom = plot_lines({"lr": (list(range(len(history.lrs))), history.lrs)},
+                        title="learning rate", xlabel="step")
+    img = Image.new("RGB", (top.width, top.height + bottom.height), "white")
+    img.paste(top, (0, 0))
+    img.paste(bottom, (0, top.height))
+    from .reporting import save_png
+    return save_png(img, path)
