@@ -18,6 +18,7 @@ class RunState:
     engine: str  # one of ENGINES
     world_size: int = 1  # replicas (launch) or devices sharing each batch (spmd)
     mesh: Any = None  # the SPMD mesh, under engine "spmd"
+    in_run: bool = False  # inside train_fn under run(), rather than at the top level
 
 
 RUNNING = RunState("single" if xla_version() else "torch")

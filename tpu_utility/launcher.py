@@ -87,7 +87,7 @@ def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), 
     args = tuple(args)
     if engine == "torch" or (engine == "single" and runtime_started()):
         # Nothing to isolate: no XLA, or this process already holds its one device.
-        previous, devices.RUNNING = devices.RUNNING, RunState(engine)
+        previous, devices.RUNNING = devices.RUNNING, RunState(engine, in_run=True)
         try:
             return to_cpu(train_fn(*args))
         finally:
@@ -116,7 +116,7 @@ def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), 
     ctx = multiprocessing.get_context(start_method)
     results = ctx.Queue()
     procs = [ctx.Process(target=_process_main, name=f"tpu_utility-{engine}-{r}",
-                         args=(engine, cores, r, nprocs, train_fn, args, results))
+                         args=(engine, cores, r, nprocs, train_fn, args, results, start_method))
              for r in range(nprocs)]
     for p in procs:
         p.start()
@@ -182,7 +182,13 @@ def _stop(procs) -> None:
             p.join()
 
 
-def _process_main(engine, cores, local_rank, nprocs, train_fn, args, results) -> None:
+def _process_main(engine, cores, local_rank, nprocs, train_fn, args, results, start_method) -> None:
+    if start_method == "fork":
+        # torch's OpenMP pool (libgomp) hangs in a forked child if the parent used it, at
+        # the child's first parallel CPU op. One thread runs ops inline, as DataLoader
+        # workers do; XLA's own threads are unaffected.
+        import torch
+        torch.set_num_threads(1)
     from torch_xla._internal import pjrt
     if engine == "launch":
         replica = functools.partial(_replica_main, None, train_fn, args, results)
@@ -193,7 +199,7 @@ def _process_main(engine, cores, local_rank, nprocs, train_fn, args, results) ->
             state = _start_spmd(cores)
         else:
             pjrt.initialize_singleprocess()  # on a TPU host: claim one chip, not all
-            state = RunState("single")
+            state = RunState("single", in_run=True)
     except BaseException as e:
         _report_error(results, 0, e)
         return
@@ -212,7 +218,7 @@ def _start_spmd(cores: int) -> RunState:
         raise RuntimeError(f"SPMD found {n} devices, expected cores={cores}")
     mesh = xs.Mesh(np.arange(n), (n,), ("data",))
     xs.set_global_mesh(mesh)
-    return RunState("spmd", n, mesh)
+    return RunState("spmd", n, mesh, in_run=True)
 
 
 def _replica_main(state, train_fn, args, results) -> None:
@@ -221,7 +227,7 @@ def _replica_main(state, train_fn, args, results) -> None:
     rank = 0
     try:
         # Threads of one process share RUNNING; it is the same for all of them.
-        devices.RUNNING = state or RunState("launch", xr.world_size())
+        devices.RUNNING = state or RunState("launch", xr.world_size(), in_run=True)
         rank = devices.ordinal()
         out = to_cpu(train_fn(*args))
         payload = None
