@@ -92,6 +92,10 @@ def lr_find(model, train_loader, opt, loss_fn: Callable, start_lr: float = 1e-7,
         from .launcher import run
         result = run(_sweep_moved, cores=1, args=(model, loader, opt, loss_fn, kwargs),
                      start_method=start_method)
+    elif _device_type(model) != get_device().type:
+        # Sweep a copy on the device: moving the user's model would orphan their optimizer.
+        model_copy, opt_copy = copy.deepcopy((model, opt))
+        result = _sweep_moved(model_copy, loader, opt_copy, loss_fn, kwargs)
     else:
         result = _sweep_in_place(model, loader, opt, loss_fn, **kwargs)
     if plot is not None and devices.is_master():
@@ -100,6 +104,10 @@ def lr_find(model, train_loader, opt, loss_fn: Callable, start_lr: float = 1e-7,
         os.replace(plot + ".tmp", plot)
         result.plot = plot
     return result
+
+
+def _device_type(model) -> str:
+    return next(model.parameters()).device.type
 
 
 def _sweep_moved(model, loader, opt, loss_fn, kwargs) -> LRFindResult:
