@@ -1,0 +1,79 @@
+"""lr_find on CPU XLA: exact restore, read and compile budgets, 8 cores, and the notebook
+sequence lr_find -> run(train_fn, cores=8) in one process."""
+import math
+
+LR_FIND_SCRIPT = """
+    import json, torch, torch.nn.functional as F, torch_xla
+    import tpu_utility as tu
+    from cuda_train import make_dataset, make_model
+    import tpu_train
+
+    def sweep(num_it, check_every=10):
+        torch.manual_seed(0)
+        model = make_model().to(tu.get_device())
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        loader = tu.make_loader(make_dataset(), 32, num_workers=0)
+        for x, y in loader:  # give the optimizer some state first
+            opt.zero_grad(); F.cross_entropy(model(x), y).backward(); tu.optimizer_step(opt)
+        before_model = {k: v.cpu().clone() for k, v in model.state_dict().items()}
+        before_opt = opt.state_dict()
+        before_opt = {"state": {i: {k: v.cpu().clone() for k, v in s.items()} for i, s in before_opt["state"].items()},
+                      "groups": [{k: v for k, v in g.items() if k != "params"} for g in before_opt["param_groups"]]}
+        res = tu.lr_find(model, loader, opt, F.cross_entropy, num_it=num_it, check_every=check_every)
+        after_opt = opt.state_dict()
+        same_model = all(torch.equal(before_model[k], v.cpu()) for k, v in model.state_dict().items())
+        same_opt = (all(torch.equal(before_opt["state"][i][k], v.cpu())
+                        for i, s in after_opt["state"].items() for k, v in s.items())
+                    and before_opt["groups"] == [{k: v for k, v in g.items() if k != "params"}
+                                                 for g in after_opt["param_groups"]])
+        return {"same_model": same_model, "same_opt": same_opt, "n": len(res.lrs),
+                "suggestions": res.suggestions, "compiles": res.compiles, "transfers": res.transfers,
+                "early": res.stopped_early, "png": len(res.png)}
+
+    if __name__ == "__main__":
+        out = {"short": tu.run(sweep, cores=1, args=(40,), start_method="fork"),
+               "long": tu.run(sweep, cores=1, args=(80,), start_method="fork"),
+               "eight": tu.run(sweep, cores=8, args=(60, 7), start_method="fork")}
+        print("RESULT", json.dumps(out))
+"""
+
+
+def test_lr_find_restores_state_and_keeps_to_its_budgets(run_script):
+    r = run_script(LR_FIND_SCRIPT).result
+    for name, num_it, k in (("short", 40, 10), ("long", 80, 10), ("eight", 60, 7)):
+        out = r[name]
+        assert out["same_model"] and out["same_opt"], name
+        assert out["transfers"] <= 1 + math.ceil(num_it / k), (name, out)
+        assert out["png"] > 1000 and out["suggestions"]["valley"] > 0
+    assert r["short"]["compiles"] == r["long"]["compiles"]  # compiles do not grow with num_it
+
+
+NOTEBOOK_SCRIPT = """
+    import json, torch, torch.nn.functional as F, torch_xla
+    import tpu_utility as tu
+    from cuda_train import make_dataset, make_model
+    import tpu_train
+    from reference import reference_train, max_param_diff
+
+    # A notebook: model and optimizer made on CPU at the top level, lr_find, then 8 cores.
+    torch.manual_seed(0)
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    res = tu.lr_find(model, tu.make_loader(make_dataset(), 32), opt, F.cross_entropy,
+                     plot="lr_find.png", start_method="fork")
+    untouched = all(torch.equal(start[k], v) for k, v in model.state_dict().items()) and not opt.state
+    started = torch_xla._XLAC._xla_runtime_is_initialized()
+    out = tu.run(tpu_train.train_fn, cores=8, start_method="fork")
+    ref = reference_train(global_batch=64 * 8)
+    import os
+    print("RESULT", json.dumps({"valley": res.suggestion, "untouched": untouched, "started": started,
+        "diff": max_param_diff(out["state"], ref["state"]), "png": os.path.getsize("lr_find.png")}))
+"""
+
+
+def test_lr_find_then_eight_core_training_in_one_process(run_script):
+    r = run_script(NOTEBOOK_SCRIPT).result
+    assert r["valley"] > 0 and r["png"] > 1000
+    assert r["untouched"] and not r["started"]  # the kernel never held the XLA runtime
+    assert r["diff"] < 1e-5  # and the 8-core run that follows is exact
