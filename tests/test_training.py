@@ -47,8 +47,15 @@ BUDGET_SCRIPT = COMMON + """
                                valid_loader=tu.make_loader(valid_ds, 16, train=False, num_workers=0),
                                metrics=[tu.accuracy])
         c1 = xla_counts()
-        return {"epochs": [vars(e) for e in h.epochs], "lrs": h.lrs,
-                "beta1": opt.param_groups[0]["betas"][0], "world": tu.devices.world_size(),
+        lr_after = opt.param_groups[0]["lr"]
+        # A second call (fine-tuning in stages) reuses the first call's graphs.
+        again = tu.train_one_cycle(model, tu.make_loader(train_ds, 32, num_workers=0), opt,
+                                   F.cross_entropy, 1, log_every=log_every, progress=False,
+                                   valid_loader=tu.make_loader(valid_ds, 16, train=False, num_workers=0),
+                                   metrics=[tu.accuracy])
+        return {"epochs": [vars(e) for e in h.epochs], "lrs": h.lrs, "beta1": h.moms[-1],
+                "lr_after": lr_after, "again_lr": again.lrs[len(again.lrs) // 4],
+                "again_compiles": again.epochs[0].compiles, "world": tu.devices.world_size(),
                 "compiles": c1["compiles"] - c0["compiles"], "transfers": c1["transfers"] - c0["transfers"]}
 
     if __name__ == "__main__":
@@ -81,6 +88,9 @@ def test_compile_and_transfer_budgets_and_schedule(run_script):
             assert out["lrs"][k] == pytest.approx(one_cycle_lr(3e-3, k / total), rel=1e-9)
         assert out["beta1"] == pytest.approx(cosine(0.85, 0.95, ((total - 1) / total - 0.25) / 0.75))
         assert epochs[-1]["train_loss"] < epochs[0]["train_loss"]
+        assert out["lr_after"] == 1e-3  # the optimizer's own lr is given back
+        assert out["again_lr"] == pytest.approx(1e-3, rel=1e-2)  # so max_lr=None means 1e-3 again
+        assert out["again_compiles"] == 0
     assert 1.0 in [one_cycle_lr(1.0, k / 32) for k in range(32)]  # the trap is on the schedule
     assert 1.0 not in r["lr_one"]["lrs"]
     assert r["lr_one"]["compiles"] == r["lr_half"]["compiles"]

@@ -95,8 +95,9 @@ def xla_counts() -> dict:
         return (data[0], data[1]) if data else (0, 0)
 
     compiles, compile_ns = count("CompileTime")
-    return {"compiles": compiles, "compile_s": compile_ns / 1e9,
-            "executions": count("ExecuteTime")[0], "transfers": count("TransferFromDeviceTime")[0]}
+    executions = count("ExecuteTime")[0] + count("ExecuteReplicatedTime")[0]  # the latter: SPMD
+    return {"compiles": compiles, "compile_s": compile_ns / 1e9, "executions": executions,
+            "transfers": count("TransferFromDeviceTime")[0]}
 
 
 def plot_lines(series: dict, path: Optional[str] = None, *, title: str = "", xlabel: str = "",

@@ -145,73 +145,79 @@ def train_one_cycle(model, train_loader, opt, loss_fn: Callable, epochs: int,
     total_steps = epochs * steps_per_epoch
     schedules = [one_cycle(m, pct_start, div, div_final, moms) for m in max_lrs]
 
+    hyper = [{k: g[k] for k in ("lr", "momentum", "betas") if k in g} for g in opt.param_groups]
     history = History()
     table = EpochTable(epochs, ["epoch", "train_loss"] + (["valid_loss"] + names if valid else [])
                        + ["lr", "time", "samples/s"], enabled=progress)
     lower_is_better = monitor.endswith("loss")
     loss_sum = zeros((), device)
     step = 0
-    for epoch in table.epochs():
-        counts0, t0 = xla_counts(), time.perf_counter()
-        model.train()
-        samples = 0
-        bar = table.batches(train_loader, batches)
-        opt.zero_grad()
-        for i, batch in enumerate(bar):
-            check_first_loss(history, max_lrs[0])
-            inputs, target = split_batch(batch, batch_fn)
-            with autocast:
-                loss = loss_fn(forward(model, inputs), target)
-            (loss / grad_accum if grad_accum > 1 else loss).backward()
-            loss_sum += loss.detach()
-            samples += batch_len(inputs)
-            if (i + 1) % grad_accum and i + 1 != batches:
-                continue
-            pos = step / total_steps
-            for group, (lr_at, mom_at) in zip(opt.param_groups, schedules):
-                group["lr"] = no_special_scalar(lr_at(pos))
-                if mom_key == "betas":
-                    group["betas"] = (no_special_scalar(mom_at(pos)), group["betas"][1])
-                elif mom_key == "momentum":
-                    group["momentum"] = no_special_scalar(mom_at(pos))
-            history.lrs.append(opt.param_groups[0]["lr"])
-            if mom_key:
-                history.moms.append(mom_at(pos))
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            optimizer_step(opt)
+    try:
+        for epoch in table.epochs():
+            counts0, t0 = xla_counts(), time.perf_counter()
+            model.train()
+            samples = 0
+            bar = table.batches(train_loader, batches)
             opt.zero_grad()
-            step += 1
-            if step == 1 or (log_every and step % log_every == 0):
-                log_after_step(loss_sum, i + 1, step, history, table, bar)
-        check_first_loss(history, max_lrs[0])
-        stats = [loss_sum / batches]
-        if valid is not None:
-            stats += evaluate(model, valid, loss_fn, metrics, batch_fn, autocast)
-        stats = torch.stack(stats)
-        # Zeroed in this graph, not re-created: under SPMD a fresh upload makes the first
-        # step of each epoch a graph of its own.
-        loss_sum.zero_()
-        sync()  # one graph for everything pending, the same every epoch
-        values = to_cpu(stats).tolist()  # the epoch's one read
-        seconds = time.perf_counter() - t0
-        train_loss, rest = values[0], values[1:]
-        metric_values = dict(zip(names, rest[1:]))
-        e = EpochStats(epoch, train_loss, rest[0] if rest else None, metric_values,
-                       history.lrs[-1], seconds, samples * replicas() / seconds, 0, 0)
-        current = {"train_loss": e.train_loss, "valid_loss": e.valid_loss, **metric_values}
-        if save_best is not None:
-            value = current[monitor]  # reduced over replicas: every replica decides alike
-            better = history.best is None or (value < history.best if lower_is_better else value > history.best)
-            if better and math.isfinite(value):
-                history.best, e.saved = value, True
-                save(model.state_dict(), save_best)
-        counts1 = xla_counts()
-        e.compiles = counts1["compiles"] - counts0["compiles"]
-        e.transfers = counts1["transfers"] - counts0["transfers"]
-        history.epochs.append(e)
-        table.row([epoch + 1, train_loss] + ([e.valid_loss] + list(metric_values.values()) if valid else [])
-                  + [e.lr, f"{seconds:.1f}s", f"{e.samples_per_s:.0f}"])
+            for i, batch in enumerate(bar):
+                check_first_loss(history, max_lrs[0])
+                inputs, target = split_batch(batch, batch_fn)
+                with autocast:
+                    loss = loss_fn(forward(model, inputs), target)
+                (loss / grad_accum if grad_accum > 1 else loss).backward()
+                loss_sum += loss.detach()
+                samples += batch_len(inputs)
+                if (i + 1) % grad_accum and i + 1 != batches:
+                    continue
+                pos = step / total_steps
+                for group, (lr_at, mom_at) in zip(opt.param_groups, schedules):
+                    group["lr"] = no_special_scalar(lr_at(pos))
+                    if mom_key == "betas":
+                        group["betas"] = (no_special_scalar(mom_at(pos)), group["betas"][1])
+                    elif mom_key == "momentum":
+                        group["momentum"] = no_special_scalar(mom_at(pos))
+                history.lrs.append(opt.param_groups[0]["lr"])
+                if mom_key:  # what the optimizer now holds, not what was asked for
+                    held = opt.param_groups[0][mom_key]
+                    history.moms.append(held[0] if mom_key == "betas" else held)
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                optimizer_step(opt)
+                opt.zero_grad()
+                step += 1
+                if step == 1 or (log_every and step % log_every == 0):
+                    log_after_step(loss_sum, i + 1, step, history, table, bar)
+            check_first_loss(history, max_lrs[0])
+            stats = [loss_sum / batches]
+            if valid is not None:
+                stats += evaluate(model, valid, loss_fn, metrics, batch_fn, autocast)
+            stats = torch.stack(stats)
+            # Zeroed in this graph, not re-created: under SPMD a fresh upload makes the first
+            # step of each epoch a graph of its own.
+            loss_sum.zero_()
+            sync()  # one graph for everything pending, the same every epoch
+            values = to_cpu(stats).tolist()  # the epoch's one read
+            seconds = time.perf_counter() - t0
+            train_loss, rest = values[0], values[1:]
+            metric_values = dict(zip(names, rest[1:]))
+            e = EpochStats(epoch, train_loss, rest[0] if rest else None, metric_values,
+                           history.lrs[-1], seconds, samples * replicas() / seconds, 0, 0)
+            current = {"train_loss": e.train_loss, "valid_loss": e.valid_loss, **metric_values}
+            if save_best is not None:
+                value = current[monitor]  # reduced over replicas: every replica decides alike
+                better = history.best is None or (value < history.best if lower_is_better else value > history.best)
+                if better and math.isfinite(value):
+                    history.best, e.saved = value, True
+                    save(model.state_dict(), save_best)
+            counts1 = xla_counts()
+            e.compiles = counts1["compiles"] - counts0["compiles"]
+            e.transfers = counts1["transfers"] - counts0["transfers"]
+            history.epochs.append(e)
+            table.row([epoch + 1, train_loss] + ([e.valid_loss] + list(metric_values.values()) if valid else [])
+                      + [e.lr, f"{seconds:.1f}s", f"{e.samples_per_s:.0f}"])
+    finally:  # the schedule leaves the optimizer as it found it: a second call starts afresh
+        for group, saved in zip(opt.param_groups, hyper):
+            group.update(saved)
     if plot is not None and is_master():
         history.plot = plot_history(history, plot)
     return history
@@ -302,9 +308,14 @@ def predict(model, data, *, batch_size: Optional[int] = None, batch_fn: Optional
 
 def zeros(shape, device):
     """Zeros uploaded as data: `torch.zeros(device=xla)` would be a graph constant, and the
-    first step of every epoch would then be a different graph from the others."""
+    first step would then be a graph of its own. Under SPMD they are marked replicated,
+    as the step's own outputs are, so a second call reuses the first call's graphs."""
     import torch
-    return torch.zeros(shape).to(device)
+    t = torch.zeros(shape).to(device)
+    if devices.RUNNING.engine == "spmd":
+        import torch_xla.distributed.spmd as xs
+        xs.mark_sharding(t, devices.RUNNING.mesh, (None,) * t.dim())
+    return t
 
 
 def as_loader(data, *, train: bool, name: str, pad: bool = False, batch_size: Optional[int] = None) -> DeviceLoader:
