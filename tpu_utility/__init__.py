@@ -1,12 +1,13 @@
 """tpu_utility: run a functional PyTorch CUDA script on one TPU core or on all of them."""
 from .data import make_loader
 from .devices import get_device, is_master, master_print, optimizer_step
-from .environment import setup_tpu
+from .environment import doctor, setup_tpu
 from .launcher import run
 from .lr_finder import lr_find
+from .reporting import report
 from .schedules import scale_lr_bs
 from .training import accuracy, predict, save, train_one_cycle
 
 __all__ = ["setup_tpu", "get_device", "optimizer_step", "make_loader", "scale_lr_bs", "run",
            "train_one_cycle", "lr_find", "predict", "save", "accuracy", "master_print",
-           "is_master"]
+           "is_master", "report", "doctor"]

@@ -6,6 +6,7 @@ once per process, so detection reads the PCI bus and the environment instead.
 from __future__ import annotations
 
 import glob
+import math
 import importlib.metadata
 import importlib.util
 import os
@@ -193,7 +194,93 @@ def in_notebook() -> bool:
 
 def runtime_started() -> bool:
     """Whether this process already holds the XLA runtime, checked without starting it."""
-    if "torch_xla" not in sys.modules:
+    if sys.modules.get("torch_xla") is None:  # never imported (or blocked): not started
         return False
     import torch_xla
     return bool(torch_xla._XLAC._xla_runtime_is_initialized())
+
+
+def versions_match(torch_version: Optional[str], torch_xla_version: Optional[str]) -> bool:
+    """torch_xla X.Y.Z works with torch X.Y.Z only (local tags like +cu128 aside)."""
+    if not torch_version or not torch_xla_version:
+        return False
+    return torch_version.split("+")[0] == torch_xla_version.split("+")[0]
+
+
+def _fix_command(torch_version: Optional[str], has_tpu: bool) -> str:
+    cmd = install_command(torch_version)
+    if not has_tpu:  # no TPU: the plain torch_xla, which runs on CPU
+        cmd = [c.replace("torch_xla[tpu]", "torch_xla") for c in cmd]
+    return " ".join(["pip"] + cmd[3:])
+
+
+def host_ram_gib() -> Optional[float]:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) / 2 ** 20
+    except OSError:
+        pass
+    return None
+
+
+def batch_ceiling(ram_per_core_gib: float, sample_mib: float = 0.574) -> int:
+    """A per-core batch size the host can buffer: a power of two.
+
+    The input pipeline holds about 26 batches per core in host memory (loader and device
+    prefetch queues, worker prefetch); allow a quarter of the core's share of RAM for it.
+    `sample_mib` defaults to a 3x224x224 float32 image.
+    """
+    ceiling = ram_per_core_gib * 1024 / 4 / (26 * sample_mib)
+    return 2 ** max(0, int(math.log2(ceiling))) if ceiling >= 1 else 1
+
+
+def doctor(*, env: Optional[MutableMapping[str, str]] = None, sysfs: str = "/sys/bus/pci/devices",
+           versions: Optional[Mapping[str, Optional[str]]] = None) -> int:
+    """Print what matters when a TPU run fails; return the exit status (0 when all is well).
+
+    Never starts the XLA runtime, and changes nothing (the host fixes are reported, not
+    applied). Run it as `python -m tpu_utility doctor`.
+
+    Example:
+        >>> import tpu_utility as tu
+        >>> status = tu.doctor()  # doctest: +ELLIPSIS
+        tpu_utility doctor
+        ...
+    """
+    env = dict(os.environ if env is None else env)
+    versions = dict(versions or {})
+    torch_v = versions.get("torch", _version("torch"))
+    xla_v = versions["torch_xla"] if "torch_xla" in versions else xla_version()
+    libtpu_v = versions.get("libtpu", _version("libtpu") or _version("libtpu-nightly"))
+    chips = tpu_chips(sysfs)
+    accelerator, devices = _accelerator_and_devices(chips, env)
+    ram = host_ram_gib()
+    problems = []
+    print("tpu_utility doctor")
+    print(f"  platform        {detect_platform(env, bool(chips))}, "
+          f"{'TPU ' + accelerator if chips else 'no TPU (CPU only)'}, {devices} device(s) expected")
+    print(f"  torch           {torch_v or 'not installed'}")
+    print(f"  torch_xla       {xla_v or 'not installed'}")
+    print(f"  libtpu          {libtpu_v or ('not installed' if chips else 'not needed (no TPU)')}")
+    if xla_v is None:
+        problems.append(f"torch_xla is not installed: {_fix_command(torch_v, bool(chips))}")
+    elif not versions_match(torch_v, xla_v):
+        problems.append(f"torch {torch_v} and torch_xla {xla_v} do not match (torch_xla works "
+                        f"only with the same torch version): {_fix_command(torch_v, bool(chips))}")
+    else:
+        print(f"  versions match  yes")
+    print(f"  XLA runtime     {'already started in this process' if runtime_started() else 'not started'}")
+    fixes = host_fixes(env, local_processes=len(chips)) if chips else []
+    print(f"  host fixes      {', '.join(f'remove {f}' for f in fixes) if fixes else 'none needed'}"
+          f"{' (setup_tpu() applies them)' if fixes else ''}")
+    if ram is not None:
+        per_core = ram / devices
+        print(f"  host RAM        {ram:.1f} GiB, {per_core:.1f} GiB per core; per-core batch "
+              f"ceiling about {batch_ceiling(per_core)} for 3x224x224 float32 inputs")
+    print("  start method    notebooks: fork (run() picks it); scripts: spawn, so guard them "
+          "with `if __name__ == \"__main__\":`")
+    for p in problems:
+        print(f"  PROBLEM         {p}")
+    return 1 if problems else 0

@@ -8,7 +8,8 @@ bar never reads the device.
 from __future__ import annotations
 
 import sys
-from typing import Iterable, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence
 
 from .devices import is_master
 from .environment import in_notebook
@@ -172,3 +173,81 @@ def save_png(img, path: str) -> str:
     img.save(tmp, format="PNG")
     os.replace(tmp, path)
     return path
+
+
+@dataclass
+class XlaReport:
+    """What `report()` found: counts from torch_xla's metrics and one-line hints."""
+
+    compiles: int
+    compile_s: float
+    executions: int
+    transfers: int
+    fallbacks: Dict[str, int]  # aten:: ops that ran on the CPU, with their counts
+    hints: List[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"XLA: {self.compiles} compiles ({self.compile_s:.1f} s), {self.executions} "
+                 f"executions, {self.transfers} device-to-host transfers"]
+        if self.fallbacks:
+            ops = ", ".join(f"{k} x{v}" for k, v in sorted(self.fallbacks.items()))
+            lines.append(f"CPU fallbacks: {ops}")
+        else:
+            lines.append("CPU fallbacks: none")
+        lines += [f"hint: {h}" for h in self.hints]
+        return "\n".join(lines)
+
+
+def report(history=None, *, verbose: bool = True) -> XlaReport:
+    """The XLA summary of this process's run: compiles, executions, transfers, CPU fallbacks.
+
+    Call it at the end of `train_fn` (the counts live in the process that ran XLA). Pass
+    `train_one_cycle`'s History for per-epoch hints. Printed on the master replica.
+
+    Example:
+        >>> import tpu_utility as tu
+        >>> rep = tu.report(verbose=False)
+        >>> rep.compiles >= 0
+        True
+    """
+    counts = xla_counts()
+    fallbacks: Dict[str, int] = {}
+    if "torch_xla" in sys.modules:
+        import torch_xla.debug.metrics as met
+        for name in met.counter_names():
+            # _local_scalar_dense is .item() itself: counted as a transfer, not an op to fix
+            if name.startswith("aten::") and name != "aten::_local_scalar_dense":
+                fallbacks[name] = met.counter_value(name)
+    rep = XlaReport(counts["compiles"], counts["compile_s"], counts["executions"],
+                    counts["transfers"], fallbacks)
+    rep.hints = hints(rep, history)
+    if verbose:
+        from .devices import master_print
+        master_print(str(rep))
+    return rep
+
+
+def hints(rep: XlaReport, history=None) -> List[str]:
+    """One-line advice for the patterns that make TPU runs slow."""
+    out = []
+    epochs = list(getattr(history, "epochs", None) or [])
+    later = [e.compiles for e in epochs[1:]]
+    if later and all(c > 0 for c in later):
+        out.append("compiles kept growing after the first epoch: dynamic shapes? use "
+                   "drop_last=True (make_loader's default for training) and fixed-size inputs")
+    elif not epochs and rep.compiles >= 10 and rep.compiles * 4 > rep.executions:
+        out.append(f"{rep.compiles} compiles for {rep.executions} executions: graphs keep "
+                   f"changing; dynamic shapes (drop_last=True), or Python ints/0.0/1.0 fed "
+                   f"into the step?")
+    steps = len(getattr(history, "lrs", []) or [])
+    if epochs and steps and sum(e.transfers for e in epochs) >= steps:
+        out.append("a host transfer every step: .item() or print in the loop? keep sums on "
+                   "the device and read them once per epoch")
+    elif not epochs and rep.executions >= 20 and rep.transfers * 2 >= rep.executions:
+        out.append("a host transfer every step: .item() or print in the loop? keep sums on "
+                   "the device and read them once per epoch")
+    if rep.fallbacks:
+        top = max(rep.fallbacks, key=rep.fallbacks.get)
+        out.append(f"{len(rep.fallbacks)} op(s) ran on the CPU ({top} most often): each is a "
+                   f"round trip to the host; replace them or move them out of the step")
+    return out
