@@ -24,6 +24,9 @@ setup(
             "torch==2.9.0",
             "torch_xla==2.9.0",
             "pytest>=8",
+            "nbclient>=0.10",  # the test-notebooks run in a real Jupyter kernel
+            "nbformat>=5.10",
+            "ipykernel>=6.29",
         ],
     },
 )

@@ -61,9 +61,9 @@ class DeviceLoader:
         workers = self.num_workers
         if workers is None:
             workers = default_workers(replicas if state.engine == "launch" else 1)
+        # No persistent workers: a valid loader's workers, forked while the train loader's
+        # stay alive, inherit its iterator and fail on it at exit.
         kwargs = dict(self.loader_kwargs)
-        if workers > 0:
-            kwargs.setdefault("persistent_workers", True)
         loader = DataLoader(dataset, batch_size=per_step, sampler=sampler,
                             drop_last=self.drop_last, num_workers=workers, **kwargs)
         if len(loader) == 0:

@@ -23,12 +23,23 @@ def bars_wanted(enabled: bool = True) -> bool:
     return in_notebook() or bool(isatty and isatty())
 
 
+def bar_classes():
+    """fastprogress's (master_bar, progress_bar): HTML in the notebook kernel itself, text
+    elsewhere. A child process that run() forked from a kernel can print (the kernel
+    forwards its output) but cannot display widgets (the kernel's I/O thread is not there)."""
+    import multiprocessing
+    from fastprogress import fastprogress as fp
+    if in_notebook() and multiprocessing.parent_process() is None:
+        return fp.master_bar, fp.progress_bar
+    return fp.ConsoleMasterBar, fp.ConsoleProgressBar
+
+
 def progress_bar(iterable: Iterable, total: Optional[int] = None, *, parent=None,
                  enabled: bool = True, comment: str = ""):
     """A fastprogress bar over `iterable` where bars are wanted, else `iterable` itself."""
     if parent is None and not bars_wanted(enabled):
         return iterable
-    from fastprogress.fastprogress import progress_bar as bar
+    bar = bar_classes()[1]
     pb = bar(iterable, total=total, parent=parent)
     pb.comment = comment
     return pb
@@ -43,8 +54,7 @@ class EpochTable:
         self.printing = enabled and is_master()
         self.master = None
         if bars_wanted(enabled):
-            from fastprogress.fastprogress import master_bar
-            self.master = master_bar(range(epochs))
+            self.master = bar_classes()[0](range(epochs))
         self._header_done = False
 
     def epochs(self) -> Iterable[int]:
