@@ -2,6 +2,8 @@
 from .data import make_loader
 from .devices import get_device, is_master, master_print, optimizer_step
 from .environment import doctor, setup_tpu
+from .images import (CachedDataset, ImageCsvDataset, ImageFolderDataset, PresizeReport,
+                     cache_dataset, denormalize, normalize, open_cache, presize_images, show_batch)
 from .launcher import run
 from .lr_finder import lr_find
 from .reporting import report
@@ -10,4 +12,6 @@ from .training import accuracy, predict, save, train_one_cycle
 
 __all__ = ["setup_tpu", "get_device", "optimizer_step", "make_loader", "scale_lr_bs", "run",
            "train_one_cycle", "lr_find", "predict", "save", "accuracy", "master_print",
-           "is_master", "report", "doctor"]
+           "is_master", "report", "doctor", "presize_images", "PresizeReport",
+           "ImageCsvDataset", "ImageFolderDataset", "cache_dataset", "open_cache", "CachedDataset",
+           "show_batch", "normalize", "denormalize"]
