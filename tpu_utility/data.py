@@ -1,11 +1,13 @@
 """Data: the swap for `DataLoader(...)` that shards, reshuffles and feeds the device."""
 from __future__ import annotations
 
+import gc
+import multiprocessing.context as mpc
 import os
 from typing import Any, Callable, Iterator, Optional
 
 from . import devices
-from .devices import get_device, ordinal
+from .devices import get_device, map_tensors, ordinal
 
 
 class DeviceLoader:
@@ -64,6 +66,8 @@ class DeviceLoader:
         # No persistent workers: a valid loader's workers, forked while the train loader's
         # stay alive, inherit its iterator and fail on it at exit.
         kwargs = dict(self.loader_kwargs)
+        if workers > 0 and state.engine != "torch":
+            kwargs.setdefault("multiprocessing_context", _GcFrozenFork())
         loader = DataLoader(dataset, batch_size=per_step, sampler=sampler,
                             drop_last=self.drop_last, num_workers=workers, **kwargs)
         if len(loader) == 0:
@@ -80,7 +84,7 @@ class DeviceLoader:
         self.epoch += 1
         device = get_device()
         if device.type != "xla":
-            return (_to_device(b, device) for b in loader)
+            return (map_tensors(b, lambda t: t.to(device, non_blocking=True)) for b in loader)
         if device_loader is None:
             import torch_xla.distributed.parallel_loader as pl
             sharding = None
@@ -89,6 +93,30 @@ class DeviceLoader:
             device_loader = pl.MpDeviceLoader(loader, device, input_sharding=sharding)
             self._built = (key, loader, device_loader)
         return iter(device_loader)  # uploads ahead and cuts the graph each step
+
+
+class _GcFrozenForkProcess(mpc.ForkProcess):
+    @staticmethod
+    def _Popen(process_obj):
+        gc.freeze()
+        try:
+            return mpc.ForkProcess._Popen(process_obj)
+        finally:
+            gc.unfreeze()
+
+
+class _GcFrozenFork(mpc.ForkContext):
+    """A fork context for DataLoader workers under XLA whose children never collect the
+    objects they inherit.
+
+    A worker is forked from the loader's thread while the main thread runs XLA. If the
+    worker's garbage collector then frees an inherited XLA tensor, its destructor waits
+    for a lazy-tensor lock that the main thread held at the fork, and the worker hangs
+    (seen in a benchmark). Freezing the GC around the fork keeps inherited objects out of
+    the child's collections.
+    """
+
+    Process = _GcFrozenForkProcess
 
 
 class PaddedDataset:
@@ -107,19 +135,6 @@ class PaddedDataset:
 
     def __getitem__(self, i: int):
         return self.dataset[i % self.n], i < self.n
-
-
-def _to_device(batch, device):
-    import torch
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return type(batch)((k, _to_device(v, device)) for k, v in batch.items())
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(_to_device(v, device) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(v, device) for v in batch)
-    return batch
 
 
 class _BatchSharding:

@@ -109,38 +109,25 @@ def master_print(*args, **kwargs) -> None:
 
 def to_cpu(obj: Any) -> Any:
     """Copy every tensor in a nested structure to CPU (one batched transfer on XLA)."""
-    import torch
-    tensors = []
-
-    def collect(o):
-        if isinstance(o, torch.Tensor):
-            tensors.append(o)
-        elif isinstance(o, dict):
-            for v in o.values():
-                collect(v)
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                collect(v)
-
-    collect(obj)
-    xla = [t for t in tensors if t.device.type == "xla"]
+    xla = []
+    map_tensors(obj, lambda t: xla.append(t) if t.device.type == "xla" else None)
     moved = {}
     if xla:
         import torch_xla
         torch_xla._XLAC._xla_sync_multi(xla, devices=[], wait=True, sync_xla_data=False)
-        for t, c in zip(xla, torch_xla._XLAC._xla_get_cpu_tensors(xla)):
-            moved[id(t)] = c
-    return _rebuild(obj, lambda t: moved[id(t)] if id(t) in moved else t.detach().cpu())
+        moved = {id(t): c for t, c in zip(xla, torch_xla._XLAC._xla_get_cpu_tensors(xla))}
+    return map_tensors(obj, lambda t: moved[id(t)] if id(t) in moved else t.detach().cpu())
 
 
-def _rebuild(o: Any, fn) -> Any:
+def map_tensors(o: Any, fn) -> Any:
+    """`o` with `fn` applied to every tensor in it (nested dicts, lists, tuples, namedtuples)."""
     import torch
     if isinstance(o, torch.Tensor):
         return fn(o)
     if isinstance(o, dict):
-        return type(o)((k, _rebuild(v, fn)) for k, v in o.items())
+        return type(o)((k, map_tensors(v, fn)) for k, v in o.items())
     if isinstance(o, tuple) and hasattr(o, "_fields"):
-        return type(o)(*(_rebuild(v, fn) for v in o))
+        return type(o)(*(map_tensors(v, fn) for v in o))
     if isinstance(o, (list, tuple)):
-        return type(o)(_rebuild(v, fn) for v in o)
+        return type(o)(map_tensors(v, fn) for v in o)
     return o
