@@ -68,7 +68,11 @@ def test_loader_order_is_a_fresh_seeded_permutation_each_epoch(run_script):
                 too_few = ""
             except ValueError as e:
                 too_few = str(e)
+            # DataLoader worker processes (forked beside the running XLA runtime) give the
+            # same batches.
+            with_workers = tu.make_loader(ds, batch_size=batch_size, seed=5, num_workers=2)
             return {"epochs": [[b[0].cpu().tolist() for b in loader] for epoch in range(2)],
+                    "workers": [[b[0].cpu().tolist() for b in with_workers] for epoch in range(2)],
                     "eval": evaluation, "too_few": too_few}
         # cores=1 then cores=8 in one process: each run gets a fresh runtime in a child.
         one = tu.run(order, cores=1, args=(4,), start_method="fork")
@@ -82,6 +86,7 @@ def test_loader_order_is_a_fresh_seeded_permutation_each_epoch(run_script):
         assert one["epochs"][epoch] == [perm[i:i + 4] for i in range(0, 100 - 3, 4)]
         assert eight["epochs"][epoch] == [perm[i:i + 32] for i in range(0, 100 - 31, 32)]  # drop_last
     assert one["epochs"][0] != one["epochs"][1]
+    assert one["workers"] == one["epochs"] and eight["workers"] == eight["epochs"]
     assert one["eval"] == [list(range(i, i + 4)) for i in range(0, 100, 4)]
     assert sum(eight["eval"], []) == list(range(100))  # global batches of 32, short last one kept
     assert "100 samples make no full batch of 128" in one["too_few"]
