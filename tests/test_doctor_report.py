@@ -13,7 +13,8 @@ def test_doctor_all_well_and_never_starts_the_runtime(capsys):
     for needle in ("platform", "torch_xla       2.9.0", "versions match  yes", "XLA runtime     not started",
                    "per-core batch ceiling", "notebooks: fork"):
         assert needle in out, needle
-    assert "torch_xla" not in sys.modules or not sys.modules["torch_xla"]._XLAC._xla_runtime_is_initialized()
+    from tpu_utility.environment import runtime_started
+    assert not runtime_started()
 
 
 def test_doctor_reports_kaggle_fixes_without_applying_them(tmp_path, capsys):

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 import tpu_utility as tu
-from tpu_utility.environment import host_fixes, install_command, setup_tpu, tpu_chips
+from tpu_utility.environment import host_fixes, install_command, setup_tpu
 
 
 def fake_pci(tmp_path, device_ids, vendor="0x1ae0"):

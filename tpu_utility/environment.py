@@ -270,7 +270,7 @@ def doctor(*, env: Optional[MutableMapping[str, str]] = None, sysfs: str = "/sys
         problems.append(f"torch {torch_v} and torch_xla {xla_v} do not match (torch_xla works "
                         f"only with the same torch version): {_fix_command(torch_v, bool(chips))}")
     else:
-        print(f"  versions match  yes")
+        print("  versions match  yes")
     print(f"  XLA runtime     {'already started in this process' if runtime_started() else 'not started'}")
     fixes = host_fixes(env, local_processes=len(chips)) if chips else []
     print(f"  host fixes      {', '.join(f'remove {f}' for f in fixes) if fixes else 'none needed'}"
