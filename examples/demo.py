@@ -132,7 +132,7 @@ def train_fn(cache_dir, lr, epochs, batch_size, out):
                               plot=os.path.join(out, "training.png"))
     logits = tu.predict(model, valid, batch_size=batch_size, batch_fn=lambda b: (tu.normalize(b[0]), None))
     return {"history": hist, "logits": logits, "report": tu.report(hist, verbose=False),
-            "cores": tu.devices.world_size()}
+            "cores": tu.world_size()}
 
 
 def main():

@@ -59,7 +59,7 @@ def test_report_hints(run_script):
             kept = []
             for n in range(1, 15):  # a new shape each step, as a short last batch makes
                 kept.append((torch.ones(n, device=tu.get_device()) * 2).sum())
-                tu.devices.sync()
+                tu.sync()
             return tu.report(verbose=False)
 
         def fallback():

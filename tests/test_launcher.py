@@ -3,7 +3,7 @@ import pytest
 
 import tpu_utility as tu
 from tpu_utility.environment import setup_tpu
-from tpu_utility.launcher import choose_engine
+from tpu_utility.engines import choose
 
 
 def test_cores_must_be_one_or_the_device_count(monkeypatch):
@@ -19,10 +19,10 @@ def test_cores_must_be_one_or_the_device_count(monkeypatch):
 def test_engine_choice_on_cpu(monkeypatch):
     monkeypatch.delenv("CPU_NUM_DEVICES", raising=False)
     info = setup_tpu(verbose=False)
-    assert choose_engine(1, info) == "single"
-    assert choose_engine(8, info) == "spmd"
+    assert choose(1, info).name == "single"
+    assert choose(8, info).name == "spmd"
     with pytest.raises(ValueError, match="engine must be one of"):
-        choose_engine(8, info, "threads")
+        choose(8, info, "threads")
 
 
 def test_launch_engine_refused_on_multi_device_cpu(monkeypatch):
@@ -70,7 +70,7 @@ LAUNCH_SCRIPT = """
     def train_fn(scale):
         import torch_xla.runtime as xr
         x = torch.arange(4.0, device=tu.get_device()) * scale
-        return {"x": x, "world": xr.world_size(), "engine": tu.devices.RUNNING.engine,
+        return {"x": x, "world": xr.world_size(), "engine": tu.engines.current().name,
                 "pid": os.getpid()}
 
     def failing():

@@ -55,7 +55,7 @@ BUDGET_SCRIPT = COMMON + """
                                    metrics=[tu.accuracy])
         return {"epochs": [vars(e) for e in h.epochs], "lrs": h.lrs, "beta1": h.moms[-1],
                 "lr_after": lr_after, "again_lr": again.lrs[len(again.lrs) // 4],
-                "again_compiles": again.epochs[0].compiles, "world": tu.devices.world_size(),
+                "again_compiles": again.epochs[0].compiles, "world": tu.world_size(),
                 "compiles": c1["compiles"] - c0["compiles"], "transfers": c1["transfers"] - c0["transfers"]}
 
     if __name__ == "__main__":

@@ -31,7 +31,7 @@ def test_eight_cores_spmd_matches_cpu_reference_over_global_batches(run_script):
             # What the replica sees: world size, scaled lr, and how a batch is laid out.
             loader = tu.make_loader(tpu_train.make_dataset(), batch_size=64)
             x, y = next(iter(loader))
-            return {"world": tu.devices.world_size(), "batch": list(x.shape),
+            return {"world": tu.world_size(), "batch": list(x.shape),
                     "lr": tu.scale_lr_bs(1e-3, 64, verbose=False).lr,
                     "sharding": torch_xla._XLAC._get_xla_sharding_spec(x),
                     "steps": len(loader), "spmd": xr.is_spmd(),

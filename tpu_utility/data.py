@@ -1,23 +1,23 @@
 """Data: the swap for `DataLoader(...)` that shards, reshuffles and feeds the device."""
 from __future__ import annotations
 
-import gc
-import multiprocessing.context as mpc
 import os
+import threading
+import weakref
 from typing import Any, Callable, Iterator, Optional
 
-from . import devices
-from .devices import get_device, map_tensors, ordinal
+from .engines import current
 
 
 class DeviceLoader:
     """What `make_loader` returns: iterate it once per epoch, like a DataLoader.
 
     Each new iteration is a new epoch: the sampler is reseeded with `seed + epoch`, so
-    every replica draws the same permutation and takes its own slice of it. The torch
-    DataLoader underneath is built for the engine running when it is used, so a loader
-    made at the top of a notebook is sharded correctly inside `run(train_fn, cores=8)`,
-    and making one never starts the XLA runtime.
+    every replica draws the same permutation and takes its own slice of it. Everything
+    that changes as it is used (the epoch, the sampler, the torch DataLoader, the device
+    feed) is kept per replica and built for the engine that replica runs, so one loader
+    made at the top of a notebook serves every replica of `run(train_fn, cores=8)`, threads
+    of one process included. Making one never starts the XLA runtime.
     """
 
     def __init__(self, dataset, batch_size: int, shuffle: bool, drop_last: bool,
@@ -27,96 +27,86 @@ class DeviceLoader:
         self.shuffle, self.drop_last, self.seed, self.pad = shuffle, drop_last, seed, pad
         self.num_workers = num_workers
         self.loader_kwargs = loader_kwargs
-        self.epoch = 0
-        self._built = None  # (key, torch DataLoader, MpDeviceLoader or None)
+        self._init_replicas()
+
+    def _init_replicas(self) -> None:
+        self._replicas = weakref.WeakKeyDictionary()  # engine -> _ReplicaState
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:  # a child process starts with no replica state
+        return {k: v for k, v in self.__dict__.items() if k not in ("_replicas", "_lock")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._init_replicas()
 
     @property
     def loader(self):
-        """The torch DataLoader for the current engine."""
-        return self._build()[1]
+        """The torch DataLoader of the calling replica."""
+        return self._replica().loader
 
     @property
     def batch_size(self) -> int:
         """Samples per step and replica (the global batch under SPMD)."""
         return self.loader.batch_size
 
+    @property
+    def epoch(self) -> int:
+        """The calling replica's next epoch."""
+        return self._replica().epoch
+
     def __len__(self) -> int:
         return len(self.loader)
 
-    def _build(self):
+    def _replica(self) -> "_ReplicaState":
+        engine = current()
+        with self._lock:
+            state = self._replicas.get(engine)
+            if state is None:
+                state = self._replicas[engine] = _ReplicaState(engine, self._build(engine))
+        return state
+
+    def _build(self, engine):
         from torch.utils.data import DataLoader, DistributedSampler
-        state = devices.RUNNING
-        replicas, rank, per_step = 1, 0, self.per_core_batch_size
-        if state.engine == "launch":
-            replicas, rank = state.world_size, ordinal()
-        elif state.engine == "spmd":
-            per_step *= state.world_size
-        key = (state.engine, state.world_size, rank, id(state.mesh))
-        if self._built is not None and self._built[0] == key:
-            return self._built
+        replicas, rank = engine.shard()
+        per_step = engine.per_step_batch(self.per_core_batch_size)
         dataset = self.dataset
         if self.pad:  # a whole number of full global batches: static shapes, no padding by the sampler
-            dataset = PaddedDataset(dataset, self.per_core_batch_size * state.world_size)
+            dataset = PaddedDataset(dataset, self.per_core_batch_size * engine.world_size)
         # One sampler for every engine, so all see the same permutation (seed + epoch).
         sampler = DistributedSampler(dataset, num_replicas=replicas, rank=rank,
                                      shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last)
         workers = self.num_workers
         if workers is None:
-            workers = default_workers(replicas if state.engine == "launch" else 1)
+            workers = default_workers(engine.local_replicas)
         # No persistent workers: a valid loader's workers, forked while the train loader's
         # stay alive, inherit its iterator and fail on it at exit.
-        kwargs = dict(self.loader_kwargs)
-        if workers > 0 and state.engine != "torch":
-            kwargs.setdefault("multiprocessing_context", _GcFrozenFork())
+        kwargs = {**engine.loader_options(workers), **self.loader_kwargs}
         loader = DataLoader(dataset, batch_size=per_step, sampler=sampler,
                             drop_last=self.drop_last, num_workers=workers, **kwargs)
         if len(loader) == 0:
             raise ValueError(
                 f"make_loader: {len(dataset)} samples make no full batch of {per_step} "
-                f"({self.per_core_batch_size} per core x {max(replicas, state.world_size)} "
+                f"({self.per_core_batch_size} per core x {engine.world_size} "
                 f"cores) with drop_last=True; use a smaller batch_size or more data")
-        self._built = (key, loader, None)
-        return self._built
+        return loader
 
     def __iter__(self) -> Iterator:
-        key, loader, device_loader = self._build()
-        loader.sampler.set_epoch(self.epoch)
-        self.epoch += 1
-        device = get_device()
-        if device.type != "xla":
-            return (map_tensors(b, lambda t: t.to(device, non_blocking=True)) for b in loader)
-        if device_loader is None:
-            import torch_xla.distributed.parallel_loader as pl
-            sharding = None
-            if devices.RUNNING.engine == "spmd":
-                sharding = _BatchSharding(devices.RUNNING.mesh)
-            device_loader = pl.MpDeviceLoader(loader, device, input_sharding=sharding)
-            self._built = (key, loader, device_loader)
-        return iter(device_loader)  # uploads ahead and cuts the graph each step
+        state = self._replica()
+        state.loader.sampler.set_epoch(state.epoch)
+        state.epoch += 1
+        if state.feed is None:
+            state.feed = state.engine.feed(state.loader)  # uploads ahead, cuts the graph each step
+        return iter(state.feed)
 
 
-class _GcFrozenForkProcess(mpc.ForkProcess):
-    @staticmethod
-    def _Popen(process_obj):
-        gc.freeze()
-        try:
-            return mpc.ForkProcess._Popen(process_obj)
-        finally:
-            gc.unfreeze()
+class _ReplicaState:
+    """One replica's side of a DeviceLoader."""
 
-
-class _GcFrozenFork(mpc.ForkContext):
-    """A fork context for DataLoader workers under XLA whose children never collect the
-    objects they inherit.
-
-    A worker is forked from the loader's thread while the main thread runs XLA. If the
-    worker's garbage collector then frees an inherited XLA tensor, its destructor waits
-    for a lazy-tensor lock that the main thread held at the fork, and the worker hangs
-    (seen in a benchmark). Freezing the GC around the fork keeps inherited objects out of
-    the child's collections.
-    """
-
-    Process = _GcFrozenForkProcess
+    def __init__(self, engine, loader):
+        self.engine, self.loader = engine, loader
+        self.epoch = 0
+        self.feed = None
 
 
 class PaddedDataset:
@@ -135,27 +125,6 @@ class PaddedDataset:
 
     def __getitem__(self, i: int):
         return self.dataset[i % self.n], i < self.n
-
-
-class _BatchSharding:
-    """Shards dim 0 of every input tensor over the mesh's "data" axis, whatever its rank.
-
-    torch_xla's ShardingSpec fits one rank only; images and labels differ in rank.
-    """
-
-    minibatch = False
-
-    def __init__(self, mesh):
-        self.mesh = mesh
-        self._specs = {}
-
-    def xla_spec(self, t):
-        if t.dim() == 0:
-            return None
-        if t.dim() not in self._specs:
-            import torch_xla.distributed.spmd as xs
-            self._specs[t.dim()] = xs.ShardingSpec(self.mesh, ("data",) + (None,) * (t.dim() - 1))
-        return self._specs[t.dim()].xla_spec(t)
 
 
 def default_workers(replicas_per_host: int = 1) -> int:

@@ -1,97 +1,89 @@
-"""Devices and steps: the swaps for `device = "cuda"` and `opt.step()`.
+"""Devices and steps: the swaps for `device = "cuda"` and `opt.step()`, and who is master.
 
-`RUNNING` is the one record of how this process runs train_fn. `run` sets it; outside
-`run` it says "single" (one XLA device) or "torch" (no torch_xla: cuda or cpu).
+Each asks the engine of the calling replica (`engines.current()`); outside `run` that
+is one device in this process: XLA when torch_xla is installed, else cuda or cpu.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
-from .environment import xla_version
-
-ENGINES = ("single", "spmd", "launch", "torch")
-
-
-@dataclass
-class RunState:
-    engine: str  # one of ENGINES
-    world_size: int = 1  # replicas (launch) or devices sharing each batch (spmd)
-    mesh: Any = None  # the SPMD mesh, under engine "spmd"
-    in_run: bool = False  # inside train_fn under run(), rather than at the top level
-
-
-RUNNING = RunState("single" if xla_version() else "torch")
+from .engines import current, in_run
 
 
 def get_device():
     """The device of the calling replica: the swap for `device = "cuda"`.
 
     On XLA it is the replica's XLA device (the one SPMD device under SPMD). Without
-    torch_xla it is cuda when available, else cpu, so the same script runs on a GPU.
+    torch_xla it is the replica's GPU when there is one, else cpu, so the same script
+    runs on a GPU.
 
     Example:
         >>> import torch, tpu_utility as tu
         >>> x = torch.ones(2, device=tu.get_device())
     """
-    import torch
-    if RUNNING.engine == "torch":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    import torch_xla
-    return torch_xla.device()
+    return current().device()
 
 
 def optimizer_step(opt, **step_kwargs):
     """The swap for `opt.step()`: averages gradients over replicas first when needed.
 
-    With one replica per device (engine "launch") the gradients are all-reduced and
-    divided by the number of replicas. Under SPMD the gradients are already global, and on
-    one device or without XLA it is a plain `opt.step()`. The graph is cut by the
-    loader from `make_loader`, so this adds no host sync.
+    With one replica per core (a TPU v5e-8's 8 processes, or the "distributed" engine)
+    the gradients are averaged over replicas, and before an optimizer's first step
+    every replica takes the master's parameters, so replicas that drew different initial
+    weights still train one model. Under SPMD the gradients are already global, and on
+    one device it is a plain `opt.step()`. It adds no host sync.
 
     Example:
         >>> import torch, tpu_utility as tu
         >>> w = torch.nn.Parameter(torch.ones(2)); opt = torch.optim.SGD([w], lr=0.1)
         >>> w.sum().backward(); _ = tu.optimizer_step(opt)
     """
-    if RUNNING.engine == "launch" and RUNNING.world_size > 1:
-        import torch_xla.core.xla_model as xm
-        return xm.optimizer_step(opt, optimizer_args=step_kwargs)
-    return opt.step(**step_kwargs)
+    return current().optimizer_step(opt, **step_kwargs)
 
 
 def sync() -> None:
-    """Cut the graph and run everything pending (`torch_xla.sync()`); a no-op off XLA."""
-    if RUNNING.engine != "torch":
-        import torch_xla
-        torch_xla.sync()
+    """Run everything pending: cuts the XLA graph (`torch_xla.sync()`); a no-op off XLA.
+
+    Example:
+        >>> import tpu_utility as tu
+        >>> tu.sync()
+    """
+    current().sync()
 
 
 def world_size() -> int:
-    """Number of replicas (launch) or data-parallel devices (spmd); 1 otherwise."""
-    return RUNNING.world_size
+    """How many devices share each global batch: replicas, or SPMD devices; 1 outside run.
+
+    Example:
+        >>> import tpu_utility as tu
+        >>> tu.world_size()
+        1
+    """
+    return current().world_size
 
 
-def ordinal() -> int:
-    """Global index of the calling replica; 0 outside a multi-replica run."""
-    if RUNNING.engine == "launch":
-        import torch_xla.runtime as xr
-        return xr.global_ordinal()
-    if RUNNING.engine == "spmd":
-        import torch_xla.runtime as xr
-        return xr.process_index()  # one controller per host under SPMD
-    return 0
+def rank() -> int:
+    """The calling replica's index, from 0 (the master) to the number of replicas - 1.
+
+    Example:
+        >>> import tpu_utility as tu
+        >>> tu.rank()
+        0
+    """
+    return current().rank
 
 
 def is_master() -> bool:
-    """True on the replica that should print, log and save (global ordinal 0).
+    """True on the replica that should print, log and save (rank 0).
 
     Example:
         >>> import tpu_utility as tu
         >>> tu.is_master()
         True
     """
-    return ordinal() == 0
+    return current().rank == 0
 
 
 def master_print(*args, **kwargs) -> None:
@@ -105,6 +97,51 @@ def master_print(*args, **kwargs) -> None:
     if is_master():
         kwargs.setdefault("flush", True)
         print(*args, **kwargs)
+
+
+@dataclass
+class Scaled:
+    lr: float
+    batch_size: int  # per core
+    global_batch_size: int
+    cores: int
+
+
+def scale_lr_bs(lr: float, batch_size: int, cores: Optional[int] = None,
+                rule: str = "linear", verbose: bool = True) -> Scaled:
+    """Scale a single-device learning rate to `cores` devices; the batch size stays per core.
+
+    With `cores` devices each step sees `cores * batch_size` samples, so the lr is
+    multiplied by `cores` ("linear", Goyal et al. 2017) or by `sqrt(cores)` ("sqrt",
+    gentler, often better for Adam). `cores=None` uses the current run's world size,
+    or outside `run` what `run(cores=...)` can use on this host at most. Prints what it
+    did in one line.
+
+    Example:
+        >>> import tpu_utility as tu
+        >>> s = tu.scale_lr_bs(1e-3, 64, cores=8, verbose=False)
+        >>> round(s.lr, 6), s.global_batch_size
+        (0.008, 512)
+    """
+    if rule not in ("linear", "sqrt"):
+        raise ValueError(f"rule must be 'linear' or 'sqrt', got {rule!r}")
+    if cores is None:
+        if in_run():
+            cores = world_size()
+        else:
+            from .environment import setup_tpu
+            info = setup_tpu(verbose=False)
+            cores = info.num_devices if info.has_xla else max(1, info.cuda_devices)
+    if not isinstance(cores, int) or cores < 1:
+        raise ValueError(f"cores must be a positive int, got {cores!r}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int (per core), got {batch_size!r}")
+    factor = cores if rule == "linear" else math.sqrt(cores)
+    out = Scaled(lr * factor, batch_size, batch_size * cores, cores)
+    if verbose:
+        master_print(f"scale_lr_bs: {cores} cores x {batch_size}/core = {out.global_batch_size} "
+                     f"per step; lr {lr:g} -> {out.lr:g} ({rule} rule)")
+    return out
 
 
 def to_cpu(obj: Any) -> Any:

@@ -42,6 +42,7 @@ class TpuInfo:
     torch_xla_version: Optional[str]
     pjrt_device: Optional[str]
     fixes: List[str] = field(default_factory=list)
+    cuda_devices: int = 0  # CUDA GPUs, counted where there is neither TPU nor torch_xla
 
     @property
     def has_tpu(self) -> bool:
@@ -54,6 +55,8 @@ class TpuInfo:
     def summary(self) -> str:
         xla = f"torch_xla {self.torch_xla_version}" if self.has_xla else "no torch_xla"
         where = f"TPU {self.accelerator}" if self.has_tpu else "CPU only"
+        if self.cuda_devices:
+            where = f"{self.cuda_devices} CUDA GPU(s)"
         fixes = f"; fixed: {', '.join(self.fixes)}" if self.fixes else ""
         return (f"tpu_utility: {self.platform}, {where}, {self.num_devices} device(s), "
                 f"torch {self.torch_version}, {xla}, PJRT_DEVICE={self.pjrt_device}{fixes}")
@@ -179,10 +182,20 @@ def setup_tpu(*, install: bool = False, verbose: bool = True,
         env.setdefault("PJRT_DEVICE", "TPU" if chips else "CPU")
         pjrt = env["PJRT_DEVICE"]
     info = TpuInfo(detect_platform(env, bool(chips)), accelerator, num_devices,
-                   _version("torch"), torch_xla_version, pjrt, fixes)
+                   _version("torch"), torch_xla_version, pjrt, fixes,
+                   cuda_devices=0 if chips or torch_xla_version else cuda_device_count())
     if verbose:
         print(info.summary(), flush=True)
     return info
+
+
+def cuda_device_count() -> int:
+    """CUDA GPUs visible to torch (NVML's count: a fork made afterwards can still use CUDA)."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count()  # not is_available(): that initialises the driver
 
 
 def in_notebook() -> bool:

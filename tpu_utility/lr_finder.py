@@ -14,12 +14,12 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
-from . import devices
-from .devices import get_device, sync, to_cpu
+from .devices import get_device, is_master, optimizer_step, sync, to_cpu
+from .engines import current, in_run
 from .environment import runtime_started, xla_version
 from .reporting import plot_lines, xla_counts
 from .schedules import no_special_scalar, sched_exp
-from .training import as_loader, autocast_context, forward, split_batch, zeros
+from .training import as_loader, autocast_context, forward, split_batch
 
 MIN_NUM_IT = 30  # 10% and the last 5 points are dropped, and `slide` compares points 15 apart
 SUGGESTIONS = ("valley", "steep", "minimum", "slide")
@@ -86,7 +86,7 @@ def lr_find(model, train_loader, opt, loss_fn: Callable, start_lr: float = 1e-7,
     kwargs = dict(start_lr=start_lr, end_lr=end_lr, num_it=num_it, check_every=check_every,
                   stop_div=stop_div, beta=beta, suggest=tuple(suggest), batch_fn=batch_fn,
                   precision=precision)
-    if not devices.RUNNING.in_run and xla_version() and not runtime_started():
+    if not in_run() and xla_version() and not runtime_started():
         # Keep the XLA runtime out of this process (a notebook kernel, say), so that a
         # later multi-core run() can still start: sweep in a child on one device.
         from .launcher import run
@@ -98,7 +98,7 @@ def lr_find(model, train_loader, opt, loss_fn: Callable, start_lr: float = 1e-7,
         result = _sweep_moved(model_copy, loader, opt_copy, loss_fn, kwargs)
     else:
         result = _sweep_in_place(model, loader, opt, loss_fn, **kwargs)
-    if plot is not None and devices.is_master():
+    if plot is not None and is_master():
         with open(plot + ".tmp", "wb") as f:  # then renamed: never a half-written PNG
             f.write(result.png)
         os.replace(plot + ".tmp", plot)
@@ -126,14 +126,15 @@ def _sweep_moved(model, loader, opt, loss_fn, kwargs) -> LRFindResult:
 def _sweep_in_place(model, loader, opt, loss_fn, *, start_lr, end_lr, num_it, check_every,
                     stop_div, beta, suggest, batch_fn, precision) -> LRFindResult:
     import torch
-    device = get_device()
+    engine = current()
     counts0 = xla_counts()
+    engine.sync_module(model)  # every replica sweeps the master's model
     model_state = {k: v.clone() for k, v in model.state_dict().items()}
     opt_state = copy.deepcopy(opt.state_dict())
     was_training = model.training
-    autocast = autocast_context(precision, device)
-    avg, best = zeros((), device), zeros((), device) + math.inf
-    diverged = zeros((), device).bool()
+    autocast = autocast_context(precision, engine.device())
+    avg, best = engine.zeros(()), engine.zeros(()) + math.inf
+    diverged = engine.zeros(()).bool()
     sync()  # the copies and the running values become data before the first step
     raw: list = []
     stop = [False]
@@ -158,15 +159,15 @@ def _sweep_in_place(model, loader, opt, loss_fn, *, start_lr, end_lr, num_it, ch
                     loss = loss_fn(forward(model, inputs), target)
                 opt.zero_grad()
                 loss.backward()
-                devices.optimizer_step(opt)
-                loss = _mean_over_replicas(loss.detach().float())
+                optimizer_step(opt)
+                (loss,) = engine.all_reduce_sum([loss.detach().float() / engine.replicas])
                 raw.append(loss)
                 avg = avg * beta + loss * (1 - beta)
                 smooth = avg / no_special_scalar(1 - beta ** (i + 1))
                 best = torch.minimum(best, smooth)
                 diverged = diverged | torch.isnan(smooth) | (smooth > 4 * best)
                 if stop_div and i % check_every == 0:
-                    _after_step(check, diverged)
+                    engine.after_step(check, diverged)
         losses = to_cpu(torch.stack(raw)).tolist()  # the one read of the sweep
     finally:
         model.load_state_dict(model_state)
@@ -190,22 +191,6 @@ def _sweep_in_place(model, loader, opt, loss_fn, *, start_lr, end_lr, num_it, ch
                           transfers=counts1["transfers"] - counts0["transfers"])
     result.png = plot_png(result)
     return result
-
-
-def _after_step(fn, tensor) -> None:
-    if get_device().type == "xla":
-        import torch_xla.core.xla_model as xm
-        xm.add_step_closure(fn, (tensor,))  # read once this step has run
-    else:
-        fn(tensor)
-
-
-def _mean_over_replicas(loss):
-    state = devices.RUNNING
-    if state.engine == "launch" and state.world_size > 1:
-        import torch_xla.core.xla_model as xm
-        return xm.all_reduce(xm.REDUCE_SUM, loss, scale=1.0 / state.world_size)
-    return loss
 
 
 def _close(it) -> None:

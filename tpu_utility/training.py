@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from . import devices
 from .data import DeviceLoader, make_loader
 from .devices import get_device, is_master, optimizer_step, sync, to_cpu
+from .engines import current
 from .reporting import EpochTable, plot_lines, xla_counts
 from .schedules import no_special_scalar, one_cycle
 
@@ -131,8 +131,8 @@ def train_one_cycle(model, train_loader, opt, loss_fn: Callable, epochs: int,
         raise ValueError(f"log_every must be >= 1 or None, got {log_every!r}")
     train_loader = as_loader(train_loader, train=True, name="train_loader")
     valid = as_loader(valid_loader, train=False, name="valid_loader", pad=True) if valid_loader is not None else None
-    device = get_device()
-    autocast = autocast_context(precision, device)
+    engine = current()
+    autocast = autocast_context(precision, engine.device())
     names = [metric_name(m) for m in metrics]
     allowed = ["train_loss"] + (["valid_loss"] + names if valid is not None else [])
     if save_best is not None and monitor not in allowed:
@@ -150,7 +150,8 @@ def train_one_cycle(model, train_loader, opt, loss_fn: Callable, epochs: int,
     table = EpochTable(epochs, ["epoch", "train_loss"] + (["valid_loss"] + names if valid else [])
                        + ["lr", "time", "samples/s"], enabled=progress)
     lower_is_better = monitor.endswith("loss")
-    loss_sum = zeros((), device)
+    engine.sync_module(model)  # replicas that drew different weights start from the master's
+    loss_sum = engine.zeros(())
     step = 0
     try:
         for epoch in table.epochs():
@@ -188,9 +189,14 @@ def train_one_cycle(model, train_loader, opt, loss_fn: Callable, epochs: int,
                 if step == 1 or (log_every and step % log_every == 0):
                     log_after_step(loss_sum, i + 1, step, history, table, bar)
             check_first_loss(history, max_lrs[0])
-            stats = [loss_sum / batches]
+            sums = [loss_sum.reshape(1)]
             if valid is not None:
-                stats += evaluate(model, valid, loss_fn, metrics, batch_fn, autocast)
+                sums += evaluate(model, valid, loss_fn, metrics, batch_fn, autocast)
+            # Summed over replicas in one collective; the repeats that pad the validation
+            # set are not in the sums, and its last entry counts the real samples.
+            (totals,) = engine.all_reduce_sum([torch.cat(sums)])
+            stats = [totals[0] / (batches * engine.replicas)]
+            stats += [totals[k] / totals[-1] for k in range(1, len(totals) - 1)]
             stats = torch.stack(stats)
             # Zeroed in this graph, not re-created: under SPMD a fresh upload makes the first
             # step of each epoch a graph of its own.
@@ -201,10 +207,10 @@ def train_one_cycle(model, train_loader, opt, loss_fn: Callable, epochs: int,
             train_loss, rest = values[0], values[1:]
             metric_values = dict(zip(names, rest[1:]))
             e = EpochStats(epoch, train_loss, rest[0] if rest else None, metric_values,
-                           history.lrs[-1], seconds, samples * replicas() / seconds, 0, 0)
-            current = {"train_loss": e.train_loss, "valid_loss": e.valid_loss, **metric_values}
+                           history.lrs[-1], seconds, samples * engine.replicas / seconds, 0, 0)
+            now = {"train_loss": e.train_loss, "valid_loss": e.valid_loss, **metric_values}
             if save_best is not None:
-                value = current[monitor]  # reduced over replicas: every replica decides alike
+                value = now[monitor]  # reduced over replicas: every replica decides alike
                 better = history.best is None or (value < history.best if lower_is_better else value > history.best)
                 if better and math.isfinite(value):
                     history.best, e.saved = value, True
@@ -229,11 +235,7 @@ def log_after_step(loss_sum, batches_done: int, step: int, history: History, tab
         value = total.item() / batches_done
         history.logged.append((step, value))
         table.set_comment(bar, f"loss {value:.4f}")
-    if get_device().type == "xla":
-        import torch_xla.core.xla_model as xm
-        xm.add_step_closure(log, (loss_sum,))  # runs at the loader's next graph cut
-    else:
-        log(loss_sum)
+    current().after_step(log, loss_sum)
 
 
 def check_first_loss(history: History, max_lr: float) -> None:
@@ -245,11 +247,12 @@ def check_first_loss(history: History, max_lr: float) -> None:
 
 
 def evaluate(model, loader, loss_fn, metrics, batch_fn, autocast) -> list:
-    """Device tensors: [mean loss, mean of each metric] over the real (not padded) samples."""
+    """This replica's device sums over its real (not padded) samples: [loss and each
+    metric, count], to be summed over replicas and divided by the count."""
     import torch
-    device = get_device()
+    engine = current()
     model.eval()
-    sums, count = zeros(1 + len(metrics), device), zeros((), device)
+    sums, count = engine.zeros(1 + len(metrics)), engine.zeros(())
     with torch.no_grad():
         for batch, real in loader:
             inputs, target = split_batch(batch, batch_fn)
@@ -260,11 +263,7 @@ def evaluate(model, loader, loss_fn, metrics, batch_fn, autocast) -> list:
             values = [losses.float()] + [m(output, target).float().reshape(-1) for m in metrics]
             sums += torch.stack([(v * real).sum() for v in values])
             count += real.sum()
-    if devices.RUNNING.engine == "launch" and devices.RUNNING.world_size > 1:
-        import torch_xla.core.xla_model as xm
-        sums, count = xm.all_reduce(xm.REDUCE_SUM, [sums, count])
-    means = sums / count
-    return [means[k] for k in range(len(means))]
+    return [sums, count.reshape(1)]
 
 
 def predict(model, data, *, batch_size: Optional[int] = None, batch_fn: Optional[Callable] = None,
@@ -294,29 +293,16 @@ def predict(model, data, *, batch_size: Optional[int] = None, batch_fn: Optional
             with autocast:
                 outputs.append(forward(model, inputs).detach())
     out = torch.cat(outputs)
-    state = devices.RUNNING
-    if state.engine == "launch" and state.world_size > 1:
-        import torch_xla.core.xla_model as xm
-        # Replica r holds dataset positions r, r + W, r + 2W, ...: gather, then interleave.
-        out = xm.all_gather(out, dim=0)
-        w = state.world_size
-        out = out.reshape(w, -1, *out.shape[1:]).transpose(0, 1).reshape(-1, *out.shape[1:])
+    slices, _ = current().shard()
+    if slices > 1:
+        # Replica r holds dataset positions r, r + W, r + 2W, ... (the sampler's slices):
+        # gather in rank order, then interleave.
+        out = current().all_gather(out)
+        out = out.reshape(slices, -1, *out.shape[1:]).transpose(0, 1).reshape(-1, *out.shape[1:])
     return to_cpu(out)[:n]
 
 
 # Helpers shared by the loops here and by lr_find.
-
-def zeros(shape, device):
-    """Zeros uploaded as data: `torch.zeros(device=xla)` would be a graph constant, and the
-    first step would then be a graph of its own. Under SPMD they are marked replicated,
-    as the step's own outputs are, so a second call reuses the first call's graphs."""
-    import torch
-    t = torch.zeros(shape).to(device)
-    if devices.RUNNING.engine == "spmd":
-        import torch_xla.distributed.spmd as xs
-        xs.mark_sharding(t, devices.RUNNING.mesh, (None,) * t.dim())
-    return t
-
 
 def as_loader(data, *, train: bool, name: str, pad: bool = False, batch_size: Optional[int] = None) -> DeviceLoader:
     """A make_loader loader for `data`, with the checks that stop a run from training nothing."""
@@ -366,10 +352,6 @@ def batch_len(inputs) -> int:
     for item in items:
         return batch_len(item)
     return 0
-
-
-def replicas() -> int:
-    return devices.RUNNING.world_size if devices.RUNNING.engine == "launch" else 1
 
 
 def per_sample_loss(loss_fn, output, target):

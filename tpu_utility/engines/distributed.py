@@ -1,0 +1,167 @@
+"""Engine "distributed": one process per replica over torch.distributed, no XLA.
+
+On a host without torch_xla that has N CUDA GPUs (Kaggle's "GPU T4 x2"), run(cores=N)
+starts N processes, one GPU each, over NCCL. `engine="distributed"` on a CPU runs any
+number of processes over gloo: how the multi-replica code is tested with real
+collectives. The caller hosts the rendezvous store on a free port, so no port is
+guessed; process-group start and every collective wait at most the run's `timeout=`
+(30 minutes without one). Gradients are averaged in `optimizer_step`, in 25 MB buckets
+all reduced at once, rather than by wrapping the model in DDP: the swapped train_fn
+never sees its model wrapped, and benchmarks/bench_distributed.py measures the cost.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+from . import Engine
+
+_BUCKET_BYTES = 25 * 2 ** 20  # DDP's default bucket size
+_DEFAULT_TIMEOUT_S = 1800.0
+
+
+@dataclass(frozen=True)
+class _Setup:
+    port: int
+    backend: str  # "nccl" or "gloo"
+    timeout_s: float
+
+
+class Distributed(Engine):
+    name = "distributed"
+
+    @classmethod
+    def automatic(cls, info, cores) -> bool:
+        return not info.has_xla and info.cuda_devices >= 2 and cores == info.cuda_devices
+
+    @classmethod
+    def supports(cls, info, cores):
+        if cores < 1:
+            return f"cores must be >= 1 for engine='distributed' (one process each), got {cores}"
+        if cls._backend(info) == "nccl" and cores > info.cuda_devices:
+            from . import cores_error
+            return cores_error(info, cores)
+        return None
+
+    @staticmethod
+    def _backend(info) -> str:
+        return "nccl" if not info.has_xla and info.cuda_devices >= 1 else "gloo"
+
+    @classmethod
+    def processes(cls, info, cores):
+        return cores, cores
+
+    @classmethod
+    @contextlib.contextmanager
+    def prepare(cls, info, cores, start_method, timeout):
+        import datetime
+        import torch
+        import torch.distributed as dist
+        backend = cls._backend(info)
+        if backend == "nccl" and start_method == "fork" and torch.cuda.is_initialized():
+            raise RuntimeError(
+                "run() forks one process per GPU, but CUDA was already used in this process "
+                "(a tensor or model moved to cuda at the top level), and a forked child "
+                "cannot use CUDA after that. Restart the kernel and keep all device work "
+                "inside train_fn.")
+        timeout_s = float(timeout) if timeout else _DEFAULT_TIMEOUT_S
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            yield _Setup(store.port, backend, timeout_s)
+        finally:
+            del store
+
+    @classmethod
+    def start(cls, setup, local_rank, nprocs, cores, body) -> None:
+        import datetime
+        import torch
+        import torch.distributed as dist
+        if setup.backend == "nccl":
+            torch.cuda.set_device(local_rank)
+        else:  # replicas share the host's cores
+            torch.set_num_threads(min(torch.get_num_threads(), max(1, (os.cpu_count() or 1) // nprocs)))
+        timeout = datetime.timedelta(seconds=setup.timeout_s)
+        store = dist.TCPStore("127.0.0.1", setup.port, is_master=False, timeout=timeout)
+        dist.init_process_group(setup.backend, store=store, rank=local_rank, world_size=nprocs,
+                                timeout=timeout)
+        try:
+            body(cls(setup.backend, local_rank, nprocs))
+        finally:
+            dist.destroy_process_group()
+
+    def __init__(self, backend: str, rank: int, replicas: int):
+        import torch
+        self.backend, self.rank = backend, rank
+        self.world_size = self.replicas = self.local_replicas = replicas
+        self._device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+
+    def device(self):
+        return self._device
+
+    def _all_reduce_sum(self, tensors):
+        import torch.distributed as dist
+        out = [t.detach().clone() for t in tensors]
+        for bucket in _buckets(out):
+            flat = _flatten(bucket)
+            dist.all_reduce(flat)
+            _unflatten(flat, bucket)
+        return out
+
+    def _all_gather(self, tensor):
+        import torch
+        import torch.distributed as dist
+        tensor = tensor.detach().contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.replicas)]
+        dist.all_gather(parts, tensor)
+        return torch.cat(parts)
+
+    def _broadcast(self, tensors) -> None:
+        import torch.distributed as dist
+        for bucket in _buckets(tensors):
+            flat = _flatten(bucket)
+            dist.broadcast(flat, src=0)
+            _unflatten(flat, bucket)
+
+    def _barrier(self) -> None:
+        import torch.distributed as dist
+        dist.barrier()
+
+    def _average_gradients(self, opt) -> None:
+        import torch.distributed as dist
+        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        pending = []
+        for bucket in _buckets(grads):  # every bucket in flight at once
+            flat = _flatten(bucket)
+            pending.append((dist.all_reduce(flat, async_op=True), flat, bucket))
+        for work, flat, bucket in pending:
+            work.wait()
+            flat /= self.replicas
+            _unflatten(flat, bucket)
+
+
+def _buckets(tensors):
+    """`tensors` in runs of one dtype and device, each run at most _BUCKET_BYTES (or one tensor)."""
+    bucket, size = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if bucket and (size + nbytes > _BUCKET_BYTES or (t.dtype, t.device) != (bucket[0].dtype, bucket[0].device)):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _flatten(bucket):
+    import torch
+    return torch.cat([t.reshape(-1) for t in bucket]) if len(bucket) > 1 else bucket[0].detach().reshape(-1).clone()
+
+
+def _unflatten(flat, bucket) -> None:
+    offset = 0
+    for t in bucket:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()

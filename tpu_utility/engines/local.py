@@ -1,0 +1,28 @@
+"""Engine "torch": no XLA; train_fn runs in the calling process on cuda, else cpu."""
+from __future__ import annotations
+
+from . import Engine
+
+
+class Local(Engine):
+    """One device in the caller's process: what a CUDA script did before the swaps."""
+
+    name = "torch"
+
+    @classmethod
+    def automatic(cls, info, cores) -> bool:
+        return not info.has_xla
+
+    @classmethod
+    def supports(cls, info, cores):
+        if info.cuda_devices >= 2 and cores not in (1, info.cuda_devices) and not info.has_xla:
+            from . import cores_error
+            return cores_error(info, cores)
+        return None
+
+    def __init__(self):
+        import torch
+        self._device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def device(self):
+        return self._device

@@ -1,0 +1,73 @@
+"""Engine "launch": one replica per XLA device, as `torch_xla.launch` runs them.
+
+A TPU v5e-8 or v6e-8 runs 8 processes of one device each; a v2/v3 runs 4 processes of
+two threads each, so a replica is a thread and has an engine of its own. Collectives
+are torch_xla's, inside the step's graph. On XLA:CPU they hang between replicas
+(pytorch/xla#5005), so there this engine runs only with one device; the
+"distributed" engine proves the same multi-replica code with real collectives.
+"""
+from __future__ import annotations
+
+from .xla_single import XlaSingle
+
+
+class XlaReplicas(XlaSingle):
+    name = "launch"
+
+    @classmethod
+    def automatic(cls, info, cores) -> bool:
+        return info.has_xla and info.has_tpu and cores == info.num_devices > 1
+
+    @classmethod
+    def supports(cls, info, cores):
+        if not info.has_xla:
+            return super().supports(info, cores)
+        if cores != info.num_devices:
+            from . import cores_error
+            return cores_error(info, cores)
+        if not info.has_tpu and info.num_devices > 1:
+            return (f"engine='launch' on XLA:CPU with {info.num_devices} devices would hang: "
+                    f"collectives between CPU replica threads do not work in torch_xla "
+                    f"(pytorch/xla#5005). Use engine='spmd' (the default for cores>1 on CPU), "
+                    f"engine='distributed' (processes over gloo) or cores=1.")
+        return None
+
+    @classmethod
+    def processes(cls, info, cores):
+        if info.has_tpu:
+            from torch_xla._internal import tpu
+            return tpu.num_local_processes(), info.num_devices
+        return 1, 1
+
+    @classmethod
+    def start(cls, setup, local_rank, nprocs, cores, body) -> None:
+        from torch_xla._internal import pjrt
+        # One thread per device of this process; each makes its engine once its device is set.
+        pjrt._run_thread_per_device(local_rank, nprocs, lambda: body(cls()),
+                                    pjrt.initialize_multiprocess)
+
+    def __init__(self):
+        import torch_xla.runtime as xr
+        self.world_size = self.replicas = xr.world_size()
+        self.rank = xr.global_ordinal()
+        self.local_replicas = xr.local_device_count()
+
+    def _all_reduce_sum(self, tensors):
+        import torch_xla.core.xla_model as xm
+        return xm.all_reduce(xm.REDUCE_SUM, [t.clone() for t in tensors])
+
+    def _all_gather(self, tensor):
+        import torch_xla.core.xla_model as xm
+        return xm.all_gather(tensor, dim=0)
+
+    def _broadcast(self, tensors) -> None:
+        import torch_xla.core.xla_model as xm
+        xm.collective_broadcast(tensors, root_ordinal=0)
+
+    def _barrier(self) -> None:
+        import torch_xla.core.xla_model as xm
+        xm.rendezvous("tpu_utility.barrier")
+
+    def _average_gradients(self, opt) -> None:
+        import torch_xla.core.xla_model as xm
+        xm.reduce_gradients(opt)

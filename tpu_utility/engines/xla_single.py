@@ -1,0 +1,112 @@
+"""Engine "single": one XLA device in a child process; also what every XLA engine shares.
+
+XLA records each step as a graph: `feed` uploads batches ahead and cuts the graph once a
+step (torch_xla's MpDeviceLoader), `after_step` defers host reads to a step closure so a
+read never runs a step twice, and `zeros` uploads data rather than baking a constant
+into the graph. The XLA engines run in child processes, so the caller (a notebook
+kernel) never holds the runtime and a later run can still start one of its own.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import multiprocessing.context as mpc
+
+from . import Engine
+
+
+class XlaSingle(Engine):
+    """One replica on one XLA device."""
+
+    name = "single"
+
+    @classmethod
+    def automatic(cls, info, cores) -> bool:
+        return info.has_xla and cores == 1
+
+    @classmethod
+    def supports(cls, info, cores):
+        if not info.has_xla:
+            return (f"engine={cls.name!r} needs torch_xla, which is not installed; use "
+                    f"engine=None (runs on cuda or cpu)")
+        if cores != 1:
+            return f"engine='single' runs on one device; pass cores=1, got cores={cores}"
+        return None
+
+    @classmethod
+    def processes(cls, info, cores):
+        from ..environment import runtime_started
+        # A process that already holds its one device just runs there.
+        return (0, 1) if runtime_started() else (1, 1)
+
+    @classmethod
+    @contextlib.contextmanager
+    def prepare(cls, info, cores, start_method, timeout):
+        from ..environment import runtime_started
+        if runtime_started():
+            raise RuntimeError(
+                f"run(cores={cores}) needs a fresh XLA runtime, but this process already started "
+                f"it: the XLA device was used outside run() (get_device() or a tensor moved to "
+                f"it at the top level). Restart the kernel (or script) and keep all device "
+                f"work inside train_fn.")
+        if start_method == "fork":
+            import torch_xla  # noqa: F401  (imported once here, shared by every forked child)
+        yield None
+
+    @classmethod
+    def start(cls, setup, local_rank, nprocs, cores, body) -> None:
+        from torch_xla._internal import pjrt
+        pjrt.initialize_singleprocess()  # on a TPU host: claim one chip, not all
+        body(cls())
+
+    def device(self):
+        import torch_xla
+        return torch_xla.device()
+
+    def loader_options(self, num_workers):
+        return {"multiprocessing_context": _GcFrozenFork()} if num_workers > 0 else {}
+
+    def feed(self, loader):
+        import torch_xla.distributed.parallel_loader as pl
+        return pl.MpDeviceLoader(loader, self.device(), input_sharding=self._input_sharding())
+
+    def _input_sharding(self):
+        return None
+
+    def after_step(self, fn, *tensors) -> None:
+        import torch_xla.core.xla_model as xm
+        xm.add_step_closure(fn, tensors)  # runs at the next graph cut, once the step has run
+
+    def sync(self) -> None:
+        import torch_xla
+        torch_xla.sync()
+
+    def zeros(self, shape):
+        import torch
+        # torch.zeros(device=xla) would be a graph constant, and the first step that
+        # updates it a graph of its own.
+        return torch.zeros(shape).to(self.device())
+
+
+class _GcFrozenForkProcess(mpc.ForkProcess):
+    @staticmethod
+    def _Popen(process_obj):
+        gc.freeze()
+        try:
+            return mpc.ForkProcess._Popen(process_obj)
+        finally:
+            gc.unfreeze()
+
+
+class _GcFrozenFork(mpc.ForkContext):
+    """A fork context for DataLoader workers under XLA whose children never collect the
+    objects they inherit.
+
+    A worker is forked from the loader's thread while the main thread runs XLA. If the
+    worker's garbage collector then frees an inherited XLA tensor, its destructor waits
+    for a lazy-tensor lock that the main thread held at the fork, and the worker hangs
+    (seen in a benchmark). Freezing the GC around the fork keeps inherited objects out of
+    the child's collections.
+    """
+
+    Process = _GcFrozenForkProcess
