@@ -15,6 +15,27 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))  # the swap pair, cuda_train.py and tpu_train.py
+
+
+def child_processes(pid=None):
+    """Pids of the live children of `pid` (this process), but multiprocessing's own
+    resource tracker, which spawn starts once and keeps."""
+    pid = os.getpid() if pid is None else pid
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{d}/cmdline") as f:
+                tracker = "resource_tracker" in f.read()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and not tracker:
+            out.append(int(d))
+    return out
 
 
 def pytest_configure(config):

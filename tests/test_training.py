@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import script_env
+from reference import cosine, one_cycle_lr
 
 COMMON = """
     import json, math, os, sys, torch, torch.nn as nn, torch.nn.functional as F
@@ -23,16 +24,6 @@ COMMON = """
         full = make_dataset(n=n_train + n_valid)
         return Subset(full, range(n_train)), Subset(full, range(n_train, n_train + n_valid))
 """
-
-
-def cosine(a, b, t):
-    return b + (a - b) * (1 + math.cos(math.pi * t)) / 2
-
-
-def one_cycle_lr(max_lr, pos, pct=0.25, div=25.0, div_final=1e5):
-    if pos < pct:
-        return cosine(max_lr / div, max_lr, pos / pct)
-    return cosine(max_lr, max_lr / div_final, (pos - pct) / (1 - pct))
 
 
 BUDGET_SCRIPT = COMMON + """

@@ -13,6 +13,7 @@ import io
 import multiprocessing
 import pickle
 import queue as queue_mod
+import signal
 import time
 import traceback
 from typing import Any, Callable, Optional, Sequence
@@ -101,7 +102,7 @@ def _collect(procs, results, expected: int, timeout):
     deadline = None if timeout is None else time.monotonic() + timeout
     done, master = 0, None
     while done < expected:
-        rank, status, payload = _next_message(procs, results, deadline, done, expected)
+        rank, status, payload = _next_message(procs, results, deadline, timeout, done, expected)
         if status == "error":
             pickled, text = payload
             try:
@@ -109,6 +110,11 @@ def _collect(procs, results, expected: int, timeout):
             except Exception:  # an exception type the parent cannot rebuild
                 exc = RuntimeError(text.strip().splitlines()[-1])
             exc.__cause__ = RemoteTraceback(f"\n\nReplica {rank} traceback:\n{text}")
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:  # the error is the others losing it in a collective: name the cause
+                raise ReplicasExited(
+                    f"replica processes exited without reporting an error (exit codes "
+                    f"{_exit_codes(dead)}), and replica {rank} then failed waiting for them: {exc}") from exc
             raise exc
         done += 1
         if rank == 0:
@@ -117,7 +123,7 @@ def _collect(procs, results, expected: int, timeout):
     return master
 
 
-def _next_message(procs, results, deadline, done, expected):
+def _next_message(procs, results, deadline, timeout, done, expected):
     """The next replica report; raises within a second or two if a replica died silently."""
     while True:
         try:
@@ -129,11 +135,24 @@ def _next_message(procs, results, deadline, done, expected):
             try:  # a replica that exits flushes its report first: give it a last chance
                 return results.get(timeout=2)
             except queue_mod.Empty:
-                codes = ", ".join(f"{p.name}: {p.exitcode}" for p in procs)
                 raise ReplicasExited(f"replica processes exited after {done} of {expected} "
-                                     f"results without reporting an error (exit codes {codes})")
+                                     f"results without reporting an error (exit codes "
+                                     f"{_exit_codes(procs)})")
         if deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError(f"run() timed out with {done} of {expected} replicas finished")
+            raise TimeoutError(f"run() timed out (timeout={timeout:g} s) with {done} of {expected} "
+                               f"replicas finished")
+
+
+def _exit_codes(procs) -> str:
+    out = []
+    for p in procs:
+        code = p.exitcode
+        if code == -signal.SIGKILL:
+            code = f"{code}, SIGKILL: out of host memory?"
+        elif code is not None and code < 0:
+            code = f"{code}, {signal.Signals(-code).name}"
+        out.append(f"{p.name}: {code}")
+    return ", ".join(out)
 
 
 def _stop(procs) -> None:

@@ -3,9 +3,9 @@
 On a host without torch_xla that has N CUDA GPUs (Kaggle's "GPU T4 x2"), run(cores=N)
 starts N processes, one GPU each, over NCCL. `engine="distributed"` on a CPU runs any
 number of processes over gloo: how the multi-replica code is tested with real
-collectives. The caller hosts the rendezvous store on a free port, so no port is
-guessed; process-group start and every collective wait at most the run's `timeout=`
-(30 minutes without one). Gradients are averaged in `optimizer_step`, in 25 MB buckets
+collectives. Rank 0 hosts the rendezvous store on a port the OS picks and tells the
+others through a queue, so no port is guessed; process-group start and every
+collective wait at most the run's `timeout=` (30 minutes without one). Gradients are averaged in `optimizer_step`, in 25 MB buckets
 all reduced at once, rather than by wrapping the model in DDP: the swapped train_fn
 never sees its model wrapped, and benchmarks/bench_distributed.py measures the cost.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from . import Engine
 
@@ -23,7 +24,7 @@ _DEFAULT_TIMEOUT_S = 1800.0
 
 @dataclass(frozen=True)
 class _Setup:
-    port: int
+    ports: Any  # a multiprocessing queue: rank 0 posts the store's port for the others
     backend: str  # "nccl" or "gloo"
     timeout_s: float
 
@@ -55,9 +56,8 @@ class Distributed(Engine):
     @classmethod
     @contextlib.contextmanager
     def prepare(cls, info, cores, start_method, timeout):
-        import datetime
+        import multiprocessing
         import torch
-        import torch.distributed as dist
         backend = cls._backend(info)
         if backend == "nccl" and start_method == "fork" and torch.cuda.is_initialized():
             raise RuntimeError(
@@ -65,13 +65,10 @@ class Distributed(Engine):
                 "(a tensor or model moved to cuda at the top level), and a forked child "
                 "cannot use CUDA after that. Restart the kernel and keep all device work "
                 "inside train_fn.")
-        timeout_s = float(timeout) if timeout else _DEFAULT_TIMEOUT_S
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))
-        try:
-            yield _Setup(store.port, backend, timeout_s)
-        finally:
-            del store
+        # Rank 0 hosts the store and posts its port here. Not the caller: a forked child
+        # hung creating its store while the caller's store thread ran.
+        ports = multiprocessing.get_context(start_method).Queue()
+        yield _Setup(ports, backend, float(timeout) if timeout else _DEFAULT_TIMEOUT_S)
 
     @classmethod
     def start(cls, setup, local_rank, nprocs, cores, body) -> None:
@@ -83,7 +80,14 @@ class Distributed(Engine):
         else:  # replicas share the host's cores
             torch.set_num_threads(min(torch.get_num_threads(), max(1, (os.cpu_count() or 1) // nprocs)))
         timeout = datetime.timedelta(seconds=setup.timeout_s)
-        store = dist.TCPStore("127.0.0.1", setup.port, is_master=False, timeout=timeout)
+        if local_rank == 0:  # on a free port that the OS picks: nothing to guess or collide
+            store = dist.TCPStore("127.0.0.1", 0, world_size=nprocs, is_master=True,
+                                  wait_for_workers=False, timeout=timeout)
+            for _ in range(nprocs - 1):
+                setup.ports.put(store.port)
+        else:
+            port = setup.ports.get(timeout=setup.timeout_s)
+            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
         dist.init_process_group(setup.backend, store=store, rank=local_rank, world_size=nprocs,
                                 timeout=timeout)
         try:
