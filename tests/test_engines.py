@@ -102,18 +102,18 @@ def test_local_engine_contract(tmp_path):
 
 
 def test_xla_engine_contracts(run_script, tmp_path):
-    proc = run_script(f"""
+    proc = run_script("""
         import json, os, torch, tpu_utility as tu
         from test_engines import contract
-        out = {{}}
+        out = {}
         for name, cores in (("single", 1), ("spmd", 8)):
             os.makedirs(name, exist_ok=True)
             tu.run(contract, cores=cores, args=(name,), start_method="fork")
             v = torch.load(os.path.join(name, "view0.pt"))
-            out[name] = {{"rank": v["rank"], "world": v["world"], "replicas": v["replicas"],
+            out[name] = {"rank": v["rank"], "world": v["world"], "replicas": v["replicas"],
                          "shard": list(v["shard"]), "per_step": v["per_step"],
                          "sum": v["sum"][0].tolist(), "gather": list(v["gather"].shape),
-                         "epoch": sorted(sum(v["epochs"][0], []))}}
+                         "epoch": sorted(sum(v["epochs"][0], []))}
         print("RESULT", json.dumps(out))
     """)
     single, spmd = proc.result["single"], proc.result["spmd"]

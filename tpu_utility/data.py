@@ -86,9 +86,10 @@ class DeviceLoader:
                             drop_last=self.drop_last, num_workers=workers, **kwargs)
         if len(loader) == 0:
             raise ValueError(
-                f"make_loader: {len(dataset)} samples make no full batch of {per_step} "
-                f"({self.per_core_batch_size} per core x {engine.world_size} "
-                f"cores) with drop_last=True; use a smaller batch_size or more data")
+                f"make_loader: {len(dataset)} samples make no full batch of "
+                f"{self.per_core_batch_size * engine.world_size} ({self.per_core_batch_size} per "
+                f"core x {engine.world_size} cores) with drop_last=True; use a smaller batch_size "
+                f"or more data")
         return loader
 
     def __iter__(self) -> Iterator:

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from . import Engine
+from .base import Engine, cores_error
 
 _BUCKET_BYTES = 25 * 2 ** 20  # DDP's default bucket size
 _DEFAULT_TIMEOUT_S = 1800.0
@@ -41,7 +41,6 @@ class Distributed(Engine):
         if cores < 1:
             return f"cores must be >= 1 for engine='distributed' (one process each), got {cores}"
         if cls._backend(info) == "nccl" and cores > info.cuda_devices:
-            from . import cores_error
             return cores_error(info, cores)
         return None
 
@@ -76,7 +75,14 @@ class Distributed(Engine):
         import torch
         import torch.distributed as dist
         if setup.backend == "nccl":
-            torch.cuda.set_device(local_rank)
+            try:
+                torch.cuda.set_device(local_rank)
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"replica {local_rank} cannot use CUDA ({e}). In a forked replica that means "
+                    f"the caller initialised CUDA before run(): torch.cuda.is_available() at the "
+                    f"top of a notebook is enough. Restart the kernel and keep CUDA calls inside "
+                    f"train_fn.") from e
         else:  # replicas share the host's cores
             torch.set_num_threads(min(torch.get_num_threads(), max(1, (os.cpu_count() or 1) // nprocs)))
         timeout = datetime.timedelta(seconds=setup.timeout_s)

@@ -1,7 +1,7 @@
 """Engine "torch": no XLA; train_fn runs in the calling process on cuda, else cpu."""
 from __future__ import annotations
 
-from . import Engine
+from .base import Engine, cores_error
 
 
 class Local(Engine):
@@ -16,7 +16,6 @@ class Local(Engine):
     @classmethod
     def supports(cls, info, cores):
         if info.cuda_devices >= 2 and cores not in (1, info.cuda_devices) and not info.has_xla:
-            from . import cores_error
             return cores_error(info, cores)
         return None
 

@@ -20,11 +20,9 @@ class XlaReplicas(XlaSingle):
 
     @classmethod
     def supports(cls, info, cores):
-        if not info.has_xla:
-            return super().supports(info, cores)
-        if cores != info.num_devices:
-            from . import cores_error
-            return cores_error(info, cores)
+        why = cls._every_device(info, cores)
+        if why:
+            return why
         if not info.has_tpu and info.num_devices > 1:
             return (f"engine='launch' on XLA:CPU with {info.num_devices} devices would hang: "
                     f"collectives between CPU replica threads do not work in torch_xla "

@@ -12,7 +12,7 @@ import contextlib
 import gc
 import multiprocessing.context as mpc
 
-from . import Engine
+from .base import Engine, cores_error
 
 
 class XlaSingle(Engine):
@@ -27,10 +27,23 @@ class XlaSingle(Engine):
     @classmethod
     def supports(cls, info, cores):
         if not info.has_xla:
-            return (f"engine={cls.name!r} needs torch_xla, which is not installed; use "
-                    f"engine=None (runs on cuda or cpu)")
+            return cls._no_xla()
         if cores != 1:
             return f"engine='single' runs on one device; pass cores=1, got cores={cores}"
+        return None
+
+    @classmethod
+    def _no_xla(cls) -> str:
+        return (f"engine={cls.name!r} needs torch_xla, which is not installed; use engine=None "
+                f"(runs on cuda or cpu)")
+
+    @classmethod
+    def _every_device(cls, info, cores):
+        """Why this engine cannot run `cores` when it needs all of the host's XLA devices."""
+        if not info.has_xla:
+            return cls._no_xla()
+        if cores != info.num_devices:
+            return cores_error(info, cores)
         return None
 
     @classmethod

@@ -20,12 +20,7 @@ class XlaSpmd(XlaSingle):
 
     @classmethod
     def supports(cls, info, cores):
-        if not info.has_xla:
-            return super().supports(info, cores)
-        if cores != info.num_devices:
-            from . import cores_error
-            return cores_error(info, cores)
-        return None
+        return cls._every_device(info, cores)
 
     @classmethod
     def processes(cls, info, cores):

@@ -1,0 +1,182 @@
+"""The `Engine` interface that every engine implements, and what all engines share."""
+from __future__ import annotations
+
+import contextlib
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional,
+                    Sequence, Tuple)
+
+if TYPE_CHECKING:
+    import torch
+    from ..environment import TpuInfo
+
+
+class Engine:
+    """One replica's view of the run, plus (classmethods) how the parent starts replicas.
+
+    `world_size` is the data-parallel width (devices that share each global batch: what
+    `scale_lr_bs` scales by); `replicas` is how many copies of train_fn run, each on its
+    own slice of the data; `rank` is this copy's index, 0 being the master. Single-replica
+    engines inherit the identity collectives below; multi-replica engines supply the
+    primitives (`_all_reduce_sum`, `_all_gather`, `_broadcast`, `_barrier`,
+    `_average_gradients`), and everything built on them is shared.
+    """
+
+    name: str = ""
+    world_size: int = 1
+    replicas: int = 1
+    rank: int = 0
+    local_replicas: int = 1  # replicas on this host, which share its CPU cores
+
+    # -- the launching side: classmethods, run in the caller; none starts a runtime ----------
+
+    @classmethod
+    def automatic(cls, info: "TpuInfo", cores: int) -> bool:
+        """Whether `run(cores=...)` picks this engine on this host when none is named."""
+        return False
+
+    @classmethod
+    def supports(cls, info: "TpuInfo", cores: int) -> Optional[str]:
+        """None, or one sentence saying why this engine cannot run `cores` here."""
+        return None
+
+    @classmethod
+    def processes(cls, info: "TpuInfo", cores: int) -> Tuple[int, int]:
+        """(processes to start, replicas on this host that report back); (0, 1): in the caller."""
+        return 0, 1
+
+    @classmethod
+    def in_caller(cls, info: "TpuInfo", cores: int) -> "Engine":
+        """The engine for a run in the calling process (when `processes` gives 0)."""
+        return cls()
+
+    @classmethod
+    @contextlib.contextmanager
+    def prepare(cls, info: "TpuInfo", cores: int, start_method: str,
+                timeout: Optional[float]) -> Iterator[Any]:
+        """In the caller, around the whole run: check the host, and yield what every
+        child's `start` receives (picklable)."""
+        yield None
+
+    @classmethod
+    def start(cls, setup: Any, local_rank: int, nprocs: int, cores: int,
+              body: Callable[["Engine"], None]) -> None:
+        """In child process `local_rank` of `nprocs`: initialise, then `body(engine)` per replica."""
+        raise NotImplementedError(f"engine {cls.name!r} runs in the calling process")
+
+    # -- the replica side -------------------------------------------------------------------
+
+    def device(self) -> "torch.device":
+        raise NotImplementedError
+
+    def shard(self) -> Tuple[int, int]:
+        """(number of slices, this replica's slice) for the DistributedSampler."""
+        return self.replicas, self.rank
+
+    def per_step_batch(self, per_core: int) -> int:
+        """The rows one step of this replica reads, for a per-core batch size."""
+        return per_core
+
+    def loader_options(self, num_workers: int) -> Dict[str, Any]:
+        """Extra DataLoader arguments this engine needs."""
+        return {}
+
+    def feed(self, loader) -> Iterable:
+        """An iterable, re-iterated every epoch, of `loader`'s batches on the device."""
+        return _ToDevice(loader, self.device())
+
+    def after_step(self, fn: Callable, *tensors) -> None:
+        """Call `fn(*tensors)` once the step has run (now, where nothing is deferred)."""
+        fn(*tensors)
+
+    def sync(self) -> None:
+        """Run everything pending (XLA cuts its graph here)."""
+
+    def zeros(self, shape) -> "torch.Tensor":
+        """Zeros on the device, as data that later steps update in place."""
+        import torch
+        return torch.zeros(shape, device=self.device())
+
+    # Collectives over replicas: identities with one replica.
+
+    def all_reduce_sum(self, tensors: Sequence["torch.Tensor"]) -> List["torch.Tensor"]:
+        """The sum of each tensor over replicas (new tensors)."""
+        return list(tensors) if self.replicas == 1 else self._all_reduce_sum(list(tensors))
+
+    def all_gather(self, tensor: "torch.Tensor") -> "torch.Tensor":
+        """Every replica's `tensor`, concatenated along dim 0 in rank order."""
+        return tensor if self.replicas == 1 else self._all_gather(tensor)
+
+    def broadcast(self, tensors: Sequence["torch.Tensor"]) -> None:
+        """Overwrite `tensors`, in place, with the master's values."""
+        if self.replicas > 1 and tensors:
+            import torch
+            with torch.no_grad():
+                self._broadcast(list(tensors))
+
+    def barrier(self) -> None:
+        """Wait until every replica gets here."""
+        if self.replicas > 1:
+            self._barrier()
+
+    # Built on the collectives, the same for every engine.
+
+    def optimizer_step(self, opt, **step_kwargs) -> Any:
+        """`opt.step()` with the gradients averaged over replicas.
+
+        Before an optimizer's first step the master's values of its parameters are
+        broadcast, so replicas that drew different initial weights (threads sharing one
+        RNG, a seed per rank) train one model from then on.
+        """
+        if self.replicas > 1:
+            opts, tensors = self._synced()
+            if opt not in opts:
+                params = [p for g in opt.param_groups for p in g["params"]]
+                self.broadcast([p for p in params if tensors.get(id(p)) is not p])
+                tensors.update((id(p), p) for p in params)
+                opts.add(opt)
+            self._average_gradients(opt)
+        return opt.step(**step_kwargs)
+
+    def sync_module(self, model) -> None:
+        """Make `model`'s parameters and buffers the master's, on every replica."""
+        if self.replicas > 1:
+            tensors = list(model.parameters()) + list(model.buffers())
+            self.broadcast(tensors)
+            self._synced()[1].update((id(t), t) for t in tensors)
+
+    def _synced(self):
+        """(optimizers, {id: tensor}) already made identical on every replica. Weak, so a
+        model built later at a freed address is synced again; keyed by id because a
+        tensor's == is elementwise."""
+        if "_synced_state" not in self.__dict__:
+            import weakref
+            self._synced_state = (weakref.WeakSet(), weakref.WeakValueDictionary())
+        return self._synced_state
+
+    def __repr__(self) -> str:
+        return f"<engine {self.name!r}: rank {self.rank} of {self.replicas}, world size {self.world_size}>"
+
+
+class _ToDevice:
+    """A loader's batches with every tensor moved to `device` (re-iterable)."""
+
+    def __init__(self, loader, device):
+        self.loader, self.device = loader, device
+
+    def __iter__(self):
+        from ..devices import map_tensors
+        for batch in self.loader:
+            yield map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
+
+
+def cores_error(info: "TpuInfo", cores: int) -> str:
+    """The sentence for a core count this host does not have."""
+    if info.has_xla:
+        if info.num_devices == 1:
+            return (f"cores must be 1 on this host (TPU {info.accelerator} has one core), "
+                    f"got {cores!r}")
+        where = (f"TPU {info.accelerator}" if info.has_tpu
+                 else "XLA:CPU (set CPU_NUM_DEVICES to change)")
+        return f"cores must be 1 or {info.num_devices} on this host ({where}), got {cores!r}"
+    return (f"cores must be 1 or {info.cuda_devices} on this host ({info.cuda_devices} CUDA "
+            f"GPUs, no torch_xla: one process per GPU), got {cores!r}")
