@@ -57,7 +57,6 @@ import torch.nn.functional as F  # noqa: E402
 import tpu_utility as tu  # noqa: E402
 from tpu_utility.engines import current  # noqa: E402
 
-HOLD_S = 3.0  # how long train_fn holds its final state
 SIDE = 224
 SAMPLE_BYTES = 3 * SIDE * SIDE
 
@@ -88,7 +87,7 @@ class Repeated(torch.utils.data.Dataset):
         return self.ds[i % len(self.ds)]
 
 
-def train_fn(cache, epochs, workers, copy_into_ram, length=None):
+def train_fn(cache, epochs, workers, copy_into_ram, length, hold_s):
     ds = tu.open_cache(cache)
     if length is not None:
         ds = Repeated(ds, length)
@@ -114,7 +113,7 @@ def train_fn(cache, epochs, workers, copy_into_ram, length=None):
         seen.update(loader.loader.sampler)  # this replica's indices this epoch
     current().barrier()  # every replica has finished training
     hold = time.time()
-    time.sleep(HOLD_S)  # hold the final state, workers alive, for the sampler to see
+    time.sleep(hold_s)  # hold the final state, workers alive, for the sampler to see
     return len(seen) / len(ds), hold
 
 
@@ -170,10 +169,10 @@ class PssSampler:
             total["end"] = time.time()  # reading 16 large processes can take a while
             self.samples.append(total)
 
-    def held(self, start):
+    def held(self, start, hold_s):
         """The last sample read entirely while train_fn held its final state from `start`."""
         return [s for s in self.samples
-                if s["time"] > start + 0.3 and s["end"] < start + HOLD_S - 0.2][-1]
+                if s["time"] > start + 0.3 and s["end"] < start + hold_s - 0.2][-1]
 
     @property
     def peak(self):
@@ -196,11 +195,11 @@ def _cmdline(pid):
         return ""
 
 
-def measure(cache, cores, epochs, workers, copy_into_ram=False, length=None):
+def measure(cache, cores, epochs, workers, copy_into_ram, length, hold_s):
     with PssSampler() as sampler:
-        seen, hold = tu.run(train_fn, cores=cores, args=(cache, epochs, workers, copy_into_ram, length),
+        seen, hold = tu.run(train_fn, cores=cores, args=(cache, epochs, workers, copy_into_ram, length, hold_s),
                       engine="distributed", start_method="fork")
-    return sampler.held(hold), sampler.peak, seen
+    return sampler.held(hold, hold_s), sampler.peak, seen
 
 
 def main():
@@ -210,6 +209,7 @@ def main():
     p.add_argument("--workers", type=int, default=1, help="DataLoader workers per replica")
     p.add_argument("--epochs", type=int, default=12)
     p.add_argument("--copies", action="store_true", help="also run replicas that copy the data into RAM")
+    p.add_argument("--hold", type=float, default=3.0, help="seconds train_fn holds its final state")
     p.add_argument("--dir", default=None, help="where to build the caches (default: a temporary folder)")
     args = p.parse_args()
     folder = tempfile.mkdtemp(prefix="bench_memory-", dir=args.dir)
@@ -233,7 +233,7 @@ def main():
         results = {}
         for name, cache, cores, copy, length in runs:
             t = time.perf_counter()
-            results[name] = measure(cache, cores, args.epochs, args.workers, copy, length)
+            results[name] = measure(cache, cores, args.epochs, args.workers, copy, length, args.hold)
             print(f"{name}: done in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
         print(f"{args.replicas} replicas x {args.workers} DataLoader workers, {args.epochs} epochs, "
               f"cache {n * SAMPLE_BYTES / 2 ** 30:.2f} GiB, {os.cpu_count()} CPUs, torch {torch.__version__}")

@@ -24,5 +24,5 @@ def test_bench_distributed_smoke():
 
 
 def test_bench_memory_smoke():
-    out = bench("bench_memory.py", "--gb", "0.01", "--replicas", "2", "--epochs", "2")
+    out = bench("bench_memory.py", "--gb", "0.01", "--replicas", "2", "--epochs", "2", "--hold", "1")
     assert "per-process baseline" in out and "PSS at the end" in out
