@@ -2,7 +2,7 @@
 
 XLA tests that need a fresh runtime (every multi-device one) run as a script in a
 subprocess: `run_script` writes the code to a file (spawn needs a real __main__ module),
-runs it with PJRT_DEVICE=CPU and torch_xla DeprecationWarnings as errors, and returns the
+runs it with PJRT_DEVICE=CPU and tpu_utility's DeprecationWarnings as errors, and returns the
 JSON object the script printed on its last line after "RESULT ".
 """
 import json
@@ -19,8 +19,9 @@ sys.path.insert(0, str(ROOT / "examples"))  # the swap pair, cuda_train.py and t
 
 
 def child_processes(pid=None):
-    """Pids of the live children of `pid` (this process), but multiprocessing's own
-    resource tracker, which spawn starts once and keeps."""
+    """Pids of the children of `pid` (this process), but helpers that others start once
+    and that end with their parent: multiprocessing's resource tracker (spawn), and the
+    compile-worker pool that `import torch_xla` starts under torch 2.8 (inductor's)."""
     pid = os.getpid() if pid is None else pid
     out = []
     for d in os.listdir("/proc"):
@@ -30,7 +31,8 @@ def child_processes(pid=None):
             with open(f"/proc/{d}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             with open(f"/proc/{d}/cmdline") as f:
-                tracker = "resource_tracker" in f.read()
+                cmdline = f.read()
+            tracker = "resource_tracker" in cmdline or "_inductor/compile_worker" in cmdline
         except OSError:
             continue
         if int(fields[1]) == pid and not tracker:
@@ -39,14 +41,23 @@ def child_processes(pid=None):
 
 
 def pytest_configure(config):
-    # Deprecated torch_xla calls (xm.xla_device, xm.mark_step, ...) fail the run.
-    config.addinivalue_line("filterwarnings", "error::DeprecationWarning")
+    # DeprecationWarnings from tpu_utility's own calls fail the run (deprecated torch_xla
+    # calls included: torch_xla attributes them to the caller). Processes the tests start
+    # get the same filter from tests/sitecustomize.py.
+    config.addinivalue_line("filterwarnings", r"error::DeprecationWarning:tpu_utility(\.|$)")
+    # Python 3.12+ warns on every fork from a process with threads (torch's, here; a
+    # notebook kernel's, for users). Forking is how replicas and DataLoader workers start
+    # in notebooks; the known hazards are handled where they fork (one torch thread in the
+    # child, the GC frozen around DataLoader workers under XLA).
+    config.addinivalue_line("filterwarnings",
+                            "ignore:This process .* is multi-threaded, use of fork:DeprecationWarning")
 
 
 def script_env(**extra):
-    env = {k: v for k, v in os.environ.items() if k not in ("CPU_NUM_DEVICES", "XLA_USE_SPMD")}
-    env.update(PJRT_DEVICE="CPU", PYTHONWARNINGS="error::DeprecationWarning",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "examples"), str(ROOT / "tests")]))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("CPU_NUM_DEVICES", "XLA_USE_SPMD", "PYTHONWARNINGS")}
+    env.update(PJRT_DEVICE="CPU",  # tests/ first on the path: its sitecustomize sets the filter
+               PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), str(ROOT / "examples")]))
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

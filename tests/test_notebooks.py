@@ -18,7 +18,6 @@ def test_notebook_runs(path: Path, tmp_path, monkeypatch):
     for key, value in script_env().items():  # the kernel inherits this environment
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("CPU_NUM_DEVICES", raising=False)
-    monkeypatch.delenv("PYTHONWARNINGS")  # jupyter's own deprecations are not ours to fail on
     nb = nbformat.read(path, as_version=4)
     NotebookClient(nb, timeout=300, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path)}}).execute()

@@ -150,9 +150,8 @@ def to_cpu(obj: Any) -> Any:
     map_tensors(obj, lambda t: xla.append(t) if t.device.type == "xla" else None)
     moved = {}
     if xla:
-        import torch_xla
-        torch_xla._XLAC._xla_sync_multi(xla, devices=[], wait=True, sync_xla_data=False)
-        moved = {id(t): c for t, c in zip(xla, torch_xla._XLAC._xla_get_cpu_tensors(xla))}
+        from .compat import cpu_copies
+        moved = {id(t): c for t, c in zip(xla, cpu_copies(xla))}
     return map_tensors(obj, lambda t: moved[id(t)] if id(t) in moved else t.detach().cpu())
 
 

@@ -16,7 +16,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from .devices import get_device, is_master, optimizer_step, sync, to_cpu
 from .engines import current, in_run
-from .environment import runtime_started, xla_version
+from .compat import runtime_started
+from .environment import xla_version
 from .reporting import plot_lines, xla_counts
 from .schedules import no_special_scalar, sched_exp
 from .training import as_loader, autocast_context, forward, split_batch

@@ -33,16 +33,15 @@ class XlaReplicas(XlaSingle):
     @classmethod
     def processes(cls, info, cores):
         if info.has_tpu:
-            from torch_xla._internal import tpu
-            return tpu.num_local_processes(), info.num_devices
+            from ..compat import local_tpu_processes
+            return local_tpu_processes(), info.num_devices
         return 1, 1
 
     @classmethod
     def start(cls, setup, local_rank, nprocs, cores, body) -> None:
-        from torch_xla._internal import pjrt
+        from ..compat import run_thread_per_device
         # One thread per device of this process; each makes its engine once its device is set.
-        pjrt._run_thread_per_device(local_rank, nprocs, lambda: body(cls()),
-                                    pjrt.initialize_multiprocess)
+        run_thread_per_device(local_rank, nprocs, lambda: body(cls()))
 
     def __init__(self):
         import torch_xla.runtime as xr

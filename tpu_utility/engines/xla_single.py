@@ -48,14 +48,14 @@ class XlaSingle(Engine):
 
     @classmethod
     def processes(cls, info, cores):
-        from ..environment import runtime_started
+        from ..compat import runtime_started
         # A process that already holds its one device just runs there.
         return (0, 1) if runtime_started() else (1, 1)
 
     @classmethod
     @contextlib.contextmanager
     def prepare(cls, info, cores, start_method, timeout):
-        from ..environment import runtime_started
+        from ..compat import runtime_started
         if runtime_started():
             raise RuntimeError(
                 f"run(cores={cores}) needs a fresh XLA runtime, but this process already started "
@@ -68,8 +68,8 @@ class XlaSingle(Engine):
 
     @classmethod
     def start(cls, setup, local_rank, nprocs, cores, body) -> None:
-        from torch_xla._internal import pjrt
-        pjrt.initialize_singleprocess()  # on a TPU host: claim one chip, not all
+        from ..compat import init_one_device
+        init_one_device()
         body(cls())
 
     def device(self):
@@ -81,6 +81,8 @@ class XlaSingle(Engine):
 
     def feed(self, loader):
         import torch_xla.distributed.parallel_loader as pl
+        from ..compat import quiet_jax_probes
+        quiet_jax_probes()
         return pl.MpDeviceLoader(loader, self.device(), input_sharding=self._input_sharding())
 
     def _input_sharding(self):

@@ -28,8 +28,10 @@ class XlaSpmd(XlaSingle):
 
     @classmethod
     def start(cls, setup, local_rank, nprocs, cores, body) -> None:
+        from ..compat import quiet_spmd_on_cpu
         if os.environ.get("PJRT_DEVICE") == "CPU":  # read once, when the runtime starts
             os.environ["CPU_NUM_DEVICES"] = str(cores)
+        quiet_spmd_on_cpu()
         import numpy as np
         import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
@@ -56,6 +58,8 @@ class XlaSpmd(XlaSingle):
 
     def zeros(self, shape):
         import torch_xla.distributed.spmd as xs
+        from ..compat import quiet_jax_probes
+        quiet_jax_probes()
         t = super().zeros(shape)
         # Replicated, as the step's own outputs are, so a second call reuses the graphs.
         xs.mark_sharding(t, self.mesh, (None,) * t.dim())

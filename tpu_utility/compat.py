@@ -1,0 +1,97 @@
+"""torch_xla in one place: its private calls, and what differs between 2.8 and 2.9.
+
+Kaggle's TPU image has torch_xla 2.8, Colab's 2.9 (the last release). The rest of
+tpu_utility uses torch_xla's public API and these functions, so a new torch_xla means
+reading this file. Each function imports torch_xla only when called.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import sys
+from typing import Callable, List, Optional
+
+
+def runtime_started() -> bool:
+    """Whether this process already holds the XLA runtime, checked without starting it."""
+    if sys.modules.get("torch_xla") is None:  # never imported (or blocked): not started
+        return False
+    import torch_xla
+    return bool(torch_xla._XLAC._xla_runtime_is_initialized())
+
+
+def cpu_copies(tensors: List) -> List:
+    """CPU copies of XLA tensors, in one batched device-to-host transfer."""
+    import torch_xla
+    torch_xla._XLAC._xla_sync_multi(tensors, devices=[], wait=True, sync_xla_data=False)
+    return torch_xla._XLAC._xla_get_cpu_tensors(tensors)
+
+
+def init_one_device() -> None:
+    """Claim one device for this process (one chip of a TPU host, not all of them)."""
+    from torch_xla._internal import pjrt
+    pjrt.initialize_singleprocess()
+
+
+def run_thread_per_device(local_rank: int, nprocs: int, fn: Callable[[], None]) -> None:
+    """Process `local_rank` of `nprocs`: initialise, then `fn()` in a thread per device."""
+    from torch_xla._internal import pjrt
+    pjrt._run_thread_per_device(local_rank, nprocs, fn, pjrt.initialize_multiprocess)
+
+
+def local_tpu_processes() -> int:
+    """Processes torch_xla starts on this TPU host: one per chip (4 on a v3-8, 8 on a v5e-8)."""
+    from torch_xla._internal import tpu
+    return tpu.num_local_processes()
+
+
+@functools.lru_cache(maxsize=None)
+def quiet_jax_probes() -> None:
+    """Stop torch_xla's per-batch and per-sharding `import jax` when jax is not installed.
+
+    MpDeviceLoader puts each batch through two profiler traces, and `mark_sharding`
+    (SPMD) runs too; each tries to import jax (`mark_sharding` torchax as well, which
+    imports jax first). In 2.8 every failed try also logs "You
+    are trying to use a feature that requires jax/pallas" through the deprecated
+    `logging.warn`, whose DeprecationWarning, where warnings are errors, kills the
+    loader thread and ends the epoch early; 2.9 tries silently. Without jax neither has
+    anything to do with it, so answer "no jax" once. Idempotent; the first call counts.
+    """
+    if importlib.util.find_spec("jax") is not None:
+        return
+    import torch_xla.debug.profiler as xp
+    import torch_xla.distributed.spmd.xla_sharding as xsh
+    for module in (xp, xsh):
+        module.maybe_get_jax = _no_jax
+    # torchax (installed with torch_xla) imports jax first: without jax it fails too.
+    if hasattr(xsh, "maybe_get_torchax"):
+        xsh.maybe_get_torchax = _no_jax
+
+
+def _no_jax(*args, **kwargs) -> None:
+    return None
+
+
+def quiet_spmd_on_cpu() -> None:
+    """Turn down XLA's C++ warnings in an SPMD run on XLA:CPU (unless the user chose a level).
+
+    2.9's XLA warns on every SPMD compile that GSPMD sharding propagation will be
+    deprecated (sharding_propagation.cc): nothing a user can act on, once per graph. The
+    level is read when XLA logs, so setting it in the replica's process is enough.
+    Errors still print. "1" is what `import torch_xla` sets when nothing is set, so it
+    is not taken for the user's choice; "0" (everything) is.
+    """
+    if os.environ.get("PJRT_DEVICE") == "CPU" and os.environ.get("TF_CPP_MIN_LOG_LEVEL") in (None, "1"):
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+
+
+def supports_gpu(torch_xla_version: Optional[str]) -> bool:
+    """Whether this torch_xla can run PJRT_DEVICE=CUDA: 2.9 removed GPU support."""
+    if not torch_xla_version:
+        return False
+    try:
+        major, minor = (int(p) for p in torch_xla_version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) < (2, 9)
