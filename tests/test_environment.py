@@ -1,5 +1,6 @@
 """setup_tpu and friends: detection from a fake PCI bus, host fixes, the install hint,
 and the promise that none of import/setup_tpu/scale_lr_bs starts the XLA runtime."""
+import importlib.metadata
 import math
 import sys
 
@@ -97,8 +98,9 @@ def test_missing_torch_xla_on_a_tpu_host_names_the_pip_command(run_script, tmp_p
     """)
     r = proc.result
     assert "torch_xla is not installed" in r["message"]
-    assert "pip install torch_xla[tpu]==2.9.0" in r["message"]
-    assert r["ran"] == [[sys.executable, "-m", "pip", "install", "torch_xla[tpu]==2.9.0"]]
+    torch_version = importlib.metadata.version("torch").split("+")[0]  # the pair's torch
+    assert f"pip install torch_xla[tpu]=={torch_version}" in r["message"]
+    assert r["ran"] == [[sys.executable, "-m", "pip", "install", f"torch_xla[tpu]=={torch_version}"]]
 
 
 def test_import_setup_and_scaling_do_not_start_the_runtime(run_script):

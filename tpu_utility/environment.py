@@ -16,16 +16,21 @@ import sys
 from dataclasses import dataclass, field
 from typing import List, Mapping, MutableMapping, Optional
 
+from .compat import runtime_started, supports_gpu
+
 # PCI ids of Google TPU chips (torch_xla/_internal/tpu.py at v2.9.0), with the TPU
-# generation, and how many XLA devices one chip exposes (v2/v3 chips have two cores).
+# generation, and how many XLA devices one chip exposes (v2/v3 chips have two cores; v4
+# and v5p fuse theirs into one "megacore" device).
 _GOOGLE_PCI_VENDOR = "0x1ae0"
 _TPU_CHIPS = {
     "0x0027": ("v3", 2),  # v2 and v3 share the id; Kaggle and Colab only offer v3
     "0x005e": ("v4", 1),
+    "0x0062": ("v5p", 1),  # in torch_xla's list as "testing only"; not seen here on hardware
     "0x0063": ("v5e", 1),
     "0x006f": ("v6e", 1),
     "0x0076": ("v7x", 1),
 }
+_PJRT_DEVICES = ("CPU", "TPU", "CUDA", "GPU", "NEURON")
 # A CPU "host" emulates a v3-8 / v5e-8 so that cores=8 code paths run unchanged.
 CPU_DEFAULT_DEVICES = 8
 _HOSTNAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.\-_:]*$")
@@ -43,6 +48,9 @@ class TpuInfo:
     pjrt_device: Optional[str]
     fixes: List[str] = field(default_factory=list)
     cuda_devices: int = 0  # CUDA GPUs, counted where there is neither TPU nor torch_xla
+    hosts: int = 1  # TPU hosts (workers) in this slice: more than 1 on a pod
+    torchtpu: Optional[str] = None  # the version of Google's torch-tpu, when installed
+    torch_reports_tpu: bool = False  # torch.accelerator is TorchTPU's "tpu" (no torch_xla)
 
     @property
     def has_tpu(self) -> bool:
@@ -57,8 +65,12 @@ class TpuInfo:
         where = f"TPU {self.accelerator}" if self.has_tpu else "CPU only"
         if self.cuda_devices:
             where = f"{self.cuda_devices} CUDA GPU(s)"
+        if self.hosts > 1:
+            where += f" (a pod of {self.hosts} hosts: run the same command on every one)"
+        if self.torchtpu and not self.has_xla:
+            xla += f", torch-tpu {self.torchtpu} (experimental)"
         fixes = f"; fixed: {', '.join(self.fixes)}" if self.fixes else ""
-        return (f"tpu_utility: {self.platform}, {where}, {self.num_devices} device(s), "
+        return (f"tpu_utility: {self.platform}, {where}, {self.num_devices} device(s) here, "
                 f"torch {self.torch_version}, {xla}, PJRT_DEVICE={self.pjrt_device}{fixes}")
 
 
@@ -110,10 +122,86 @@ def _accelerator_and_devices(chips: List[str], env: Mapping[str, str]):
     gen = chips[0]
     per_chip = dict(_TPU_CHIPS.values())[gen]
     devices = len(chips) * per_chip
-    # Cloud names count TensorCores for v2-v4 (2 per chip) and chips from v5e on.
-    size = len(chips) * 2 if gen in ("v3", "v4") else len(chips)
+    # Cloud names count TensorCores for v2-v4 and v5p (2 per chip), chips for v5e and v6e.
+    size = len(chips) * 2 if gen in ("v3", "v4", "v5p") else len(chips)
     name = {"v5e": "v5litepod", "v6e": "v6e", "v7x": "tpu7x"}.get(gen, gen)
     return env.get("TPU_ACCELERATOR_TYPE") or f"{name}-{size}", devices
+
+
+def pod_hosts(env: Mapping[str, str], chips: List[str]) -> int:
+    """TPU hosts in this slice: TPU_WORKER_HOSTNAMES's count, or the accelerator type's
+    size over this host's; 1 when neither says more (a single-host TPU, or no TPU)."""
+    if not chips:
+        return 1
+    hostnames = env.get("TPU_WORKER_HOSTNAMES")
+    if hostnames and all(_HOSTNAME.match(h.strip()) for h in hostnames.split(",")):
+        return len(hostnames.split(","))
+    size = re.compile(r"^[a-z0-9]+-(\d+)$")
+    total = size.match(env.get("TPU_ACCELERATOR_TYPE", ""))
+    here = size.match(_accelerator_and_devices(chips, {})[0])
+    if total and here and int(total.group(1)) > int(here.group(1)):
+        return int(total.group(1)) // int(here.group(1))
+    return 1
+
+
+def env_problems(env: Mapping[str, str], chips: List[str],
+                 torch_xla_version: Optional[str]) -> List[str]:
+    """Settings that contradict this host and would fail a run later, each with its fix."""
+    problems = []
+    raw = env.get("CPU_NUM_DEVICES")
+    if not chips and raw is not None and not (raw.strip().isdigit() and int(raw) >= 1):
+        problems.append(f"CPU_NUM_DEVICES={raw!r} must be a whole number >= 1 (how many "
+                        f"virtual XLA:CPU devices): unset it, or set it to 8")
+    pjrt = env.get("PJRT_DEVICE")
+    if torch_xla_version and pjrt is not None:
+        value = pjrt.strip().upper()
+        if value == "TPU" and not chips:
+            problems.append("PJRT_DEVICE=TPU, but this host has no TPU (none on its PCI bus): "
+                            "unset PJRT_DEVICE (setup_tpu then uses the CPU), or run on a TPU host")
+        elif value in ("CUDA", "GPU") and not supports_gpu(torch_xla_version):
+            problems.append(f"PJRT_DEVICE={pjrt}, but torch_xla {torch_xla_version} has no GPU "
+                            f"support: unset PJRT_DEVICE; to train on GPUs, uninstall torch_xla "
+                            f"and run(cores=N) uses them over torch.distributed")
+        elif value in ("CUDA", "GPU") and _version("torch_xla_cuda_plugin") is None:
+            problems.append(f"PJRT_DEVICE={pjrt}, but torch_xla's CUDA plugin "
+                            f"(torch_xla_cuda_plugin) is not installed: unset PJRT_DEVICE")
+        elif value not in _PJRT_DEVICES:
+            problems.append(f"PJRT_DEVICE={pjrt!r} is not one of {', '.join(_PJRT_DEVICES[:3])}: "
+                            f"unset it (setup_tpu picks TPU or CPU)")
+    return problems
+
+
+def torchtpu_version() -> Optional[str]:
+    """The version of Google's `torch-tpu` (TorchTPU), None when absent or another vendor's.
+
+    SOPHGO ships a different package under the same name and import name, so the
+    distribution's metadata must point at Google.
+    """
+    try:
+        meta = importlib.metadata.distribution("torch-tpu").metadata
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    fields = ["Author", "Author-email", "Maintainer", "Maintainer-email", "Home-page", "Summary"]
+    text = " ".join([meta.get(f) or "" for f in fields] + (meta.get_all("Project-URL") or []))
+    return meta.get("Version") if "google" in text.lower() else None
+
+
+def torch_reports_tpu() -> bool:
+    """Whether torch's accelerator is TorchTPU's "tpu", registered and available.
+
+    TorchTPU registers it only where TPU chips are on the PCI bus. This allocates nothing,
+    and asks for availability only once the type is "tpu": for "cuda" that would start
+    the driver, and forked replicas could no longer use their GPUs.
+    """
+    try:
+        import torch
+    except ImportError:
+        return False
+    acc = getattr(torch, "accelerator", None)
+    if acc is None or not hasattr(acc, "current_accelerator"):
+        return False
+    device = acc.current_accelerator()
+    return device is not None and device.type == "tpu" and acc.current_accelerator(check_available=True) is not None
 
 
 def host_fixes(env: MutableMapping[str, str], local_processes: int) -> List[str]:
@@ -166,10 +254,14 @@ def setup_tpu(*, install: bool = False, verbose: bool = True,
     """
     env = os.environ if env is None else env
     chips = tpu_chips(sysfs)
+    torch_xla_version = xla_version()
+    problems = env_problems(env, chips, torch_xla_version)
+    if problems:
+        raise ValueError("setup_tpu: " + "; ".join(problems))
     accelerator, num_devices = _accelerator_and_devices(chips, env)
     fixes = host_fixes(env, local_processes=len(chips)) if chips else []
-    torch_xla_version = xla_version()
-    if chips and torch_xla_version is None:
+    torchtpu = None if torch_xla_version else torchtpu_version()
+    if chips and torch_xla_version is None and torchtpu is None:
         cmd = install_command()
         if not install:
             raise RuntimeError(
@@ -183,7 +275,9 @@ def setup_tpu(*, install: bool = False, verbose: bool = True,
         pjrt = env["PJRT_DEVICE"]
     info = TpuInfo(detect_platform(env, bool(chips)), accelerator, num_devices,
                    _version("torch"), torch_xla_version, pjrt, fixes,
-                   cuda_devices=0 if chips or torch_xla_version else cuda_device_count())
+                   cuda_devices=0 if chips or torch_xla_version else cuda_device_count(),
+                   hosts=pod_hosts(env, chips), torchtpu=torchtpu,
+                   torch_reports_tpu=bool(torchtpu) and torch_reports_tpu())
     if verbose:
         print(info.summary(), flush=True)
     return info
@@ -203,14 +297,6 @@ def in_notebook() -> bool:
     shell = sys.modules.get("IPython")
     ip = shell.get_ipython() if shell is not None and hasattr(shell, "get_ipython") else None
     return ip is not None and type(ip).__name__ == "ZMQInteractiveShell"
-
-
-def runtime_started() -> bool:
-    """Whether this process already holds the XLA runtime, checked without starting it."""
-    if sys.modules.get("torch_xla") is None:  # never imported (or blocked): not started
-        return False
-    import torch_xla
-    return bool(torch_xla._XLAC._xla_runtime_is_initialized())
 
 
 def versions_match(torch_version: Optional[str], torch_xla_version: Optional[str]) -> bool:
@@ -267,22 +353,30 @@ def doctor(*, env: Optional[MutableMapping[str, str]] = None, sysfs: str = "/sys
     torch_v = versions.get("torch", _version("torch"))
     xla_v = versions["torch_xla"] if "torch_xla" in versions else xla_version()
     libtpu_v = versions.get("libtpu", _version("libtpu") or _version("libtpu-nightly"))
+    torchtpu_v = versions["torch-tpu"] if "torch-tpu" in versions else torchtpu_version()
     chips = tpu_chips(sysfs)
+    problems = env_problems(env, chips, xla_v)
+    if any(p.startswith("CPU_NUM_DEVICES") for p in problems):
+        env.pop("CPU_NUM_DEVICES")  # reported below; count the default to go on
     accelerator, devices = _accelerator_and_devices(chips, env)
+    hosts = pod_hosts(env, chips)
     ram = host_ram_gib()
-    problems = []
     print("tpu_utility doctor")
     print(f"  platform        {detect_platform(env, bool(chips))}, "
-          f"{'TPU ' + accelerator if chips else 'no TPU (CPU only)'}, {devices} device(s) expected")
+          f"{'TPU ' + accelerator if chips else 'no TPU (CPU only)'}, {devices} device(s) expected"
+          + (f" on each of {hosts} hosts (a pod: run the same command on every worker)" if hosts > 1 else ""))
     print(f"  torch           {torch_v or 'not installed'}")
     print(f"  torch_xla       {xla_v or 'not installed'}")
     print(f"  libtpu          {libtpu_v or ('not installed' if chips else 'not needed (no TPU)')}")
-    if xla_v is None:
+    if torchtpu_v:
+        print(f"  torch-tpu       {torchtpu_v} (Google's TorchTPU: experimental, used when torch_xla "
+              f"is not installed{'' if xla_v is None else '; torch_xla is, so it is not used'})")
+    if xla_v is None and not (chips and torchtpu_v):
         problems.append(f"torch_xla is not installed: {_fix_command(torch_v, bool(chips))}")
-    elif not versions_match(torch_v, xla_v):
+    elif xla_v is not None and not versions_match(torch_v, xla_v):
         problems.append(f"torch {torch_v} and torch_xla {xla_v} do not match (torch_xla works "
                         f"only with the same torch version): {_fix_command(torch_v, bool(chips))}")
-    else:
+    elif xla_v is not None:
         print("  versions match  yes")
     print(f"  XLA runtime     {'already started in this process' if runtime_started() else 'not started'}")
     fixes = host_fixes(env, local_processes=len(chips)) if chips else []

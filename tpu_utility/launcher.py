@@ -69,15 +69,20 @@ def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), 
     if nprocs == 0:
         with engines.activate(cls.in_caller(info, cores)):
             return to_cpu(train_fn(*args))
-    start_method = start_method or ("fork" if in_notebook() else "spawn")
+    forks = "fork" in cls.start_methods
+    start_method = start_method or ("fork" if in_notebook() and forks else "spawn")
+    if start_method not in cls.start_methods:
+        raise ValueError(f"engine {cls.name!r} starts its processes with "
+                         f"{' or '.join(cls.start_methods)}, not start_method={start_method!r}")
     if start_method == "spawn":
         try:
             pickle.dumps((train_fn, args))
         except Exception as e:
+            fix = ("or pass start_method='fork'" if forks else
+                   f"in a .py file you import (engine {cls.name!r} can only spawn)")
             raise ValueError(
                 f"train_fn or args cannot be pickled for start_method='spawn' ({e}). Define "
-                f"train_fn at module level (not a lambda or a nested function), or pass "
-                f"start_method='fork'.") from None
+                f"train_fn at module level (not a lambda or a nested function), {fix}.") from None
     with cls.prepare(info, cores, start_method, timeout) as setup:
         ctx = multiprocessing.get_context(start_method)
         results = ctx.Queue()

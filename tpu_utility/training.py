@@ -399,9 +399,9 @@ def autocast_context(precision: str, device):
     if precision == "bf16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     if precision == "fp16":
-        if device.type == "xla":
-            raise ValueError("precision='fp16' is not supported on XLA (TPUs have no fast "
-                             "fp16 and XLA autocast has no loss scaling): use precision='bf16'")
+        if device.type in ("xla", "tpu"):
+            raise ValueError("precision='fp16' is not supported on TPUs (they have no fast "
+                             "fp16, and there is no loss scaling here): use precision='bf16'")
         return torch.autocast(device.type, dtype=torch.float16)
     raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp16', got {precision!r}")
 

@@ -6,6 +6,7 @@
 | "spmd" | xla_spmd.py | 1, its batches sharded over every device | one child process |
 | "launch" | xla_replicas.py | one per XLA device | child processes, threads where a process has several devices (TPU v2/v3) |
 | "distributed" | distributed.py | one per process | child processes over torch.distributed: NCCL on CUDA GPUs, gloo on CPU |
+| "torchtpu" | torchtpu.py | one per TPU chip | spawned processes on Google's TorchTPU runtime (experimental) |
 | "torch" | local.py | 1 | the calling process, on cuda or cpu (no XLA) |
 
 The interface is in base.py. `run` picks a class (`choose`), starts its processes, and makes one instance per replica
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, ContextManager, Dict, Optional, Type
 from .base import Engine, cores_error
 from .distributed import Distributed
 from .local import Local
+from .torchtpu import TorchTpu
 from .xla_replicas import XlaReplicas
 from .xla_single import XlaSingle
 from .xla_spmd import XlaSpmd
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
 
 # In the order `choose` asks them whether they are this host's automatic choice.
 REGISTRY: Dict[str, Type[Engine]] = {cls.name: cls for cls in (
-    XlaSingle, XlaReplicas, XlaSpmd, Distributed, Local)}
+    XlaSingle, XlaReplicas, XlaSpmd, TorchTpu, Distributed, Local)}
 
 _ACTIVE: ContextVar[Optional[Engine]] = ContextVar("tpu_utility_engine", default=None)
 

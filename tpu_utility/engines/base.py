@@ -22,6 +22,7 @@ class Engine:
     """
 
     name: str = ""
+    start_methods: Tuple[str, ...] = ("fork", "spawn")  # how its child processes may start
     world_size: int = 1
     replicas: int = 1
     rank: int = 0
@@ -171,7 +172,7 @@ class _ToDevice:
 
 def cores_error(info: "TpuInfo", cores: int) -> str:
     """The sentence for a core count this host does not have."""
-    if info.has_xla:
+    if info.has_xla or info.has_tpu:
         if info.num_devices == 1:
             return (f"cores must be 1 on this host (TPU {info.accelerator} has one core), "
                     f"got {cores!r}")

@@ -25,7 +25,7 @@ _DEFAULT_TIMEOUT_S = 1800.0
 @dataclass(frozen=True)
 class _Setup:
     ports: Any  # a multiprocessing queue: rank 0 posts the store's port for the others
-    backend: str  # "nccl" or "gloo"
+    backend: str  # "nccl", "gloo" (or "tpu_dist", TorchTPU's)
     timeout_s: float
 
 
@@ -44,8 +44,8 @@ class Distributed(Engine):
             return cores_error(info, cores)
         return None
 
-    @staticmethod
-    def _backend(info) -> str:
+    @classmethod
+    def _backend(cls, info) -> str:
         return "nccl" if not info.has_xla and info.cuda_devices >= 1 else "gloo"
 
     @classmethod
@@ -97,15 +97,18 @@ class Distributed(Engine):
         dist.init_process_group(setup.backend, store=store, rank=local_rank, world_size=nprocs,
                                 timeout=timeout)
         try:
-            body(cls(setup.backend, local_rank, nprocs))
+            body(cls(setup.backend, local_rank, nprocs, cls._device_for(setup.backend, local_rank)))
         finally:
             dist.destroy_process_group()
 
-    def __init__(self, backend: str, rank: int, replicas: int):
+    @staticmethod
+    def _device_for(backend: str, local_rank: int):
         import torch
-        self.backend, self.rank = backend, rank
+        return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+
+    def __init__(self, backend: str, rank: int, replicas: int, device):
+        self.backend, self.rank, self._device = backend, rank, device
         self.world_size = self.replicas = self.local_replicas = replicas
-        self._device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
 
     def device(self):
         return self._device

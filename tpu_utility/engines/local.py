@@ -15,6 +15,10 @@ class Local(Engine):
 
     @classmethod
     def supports(cls, info, cores):
+        if info.has_tpu and not info.has_xla and not info.torch_reports_tpu:
+            return (f"this host has a TPU ({info.accelerator}) and torch-tpu {info.torchtpu}, but torch "
+                    f"reports no tpu accelerator, so training would run on the CPU: check the "
+                    f"torch-tpu install (python -m tpu_utility doctor), or force engine='torchtpu'")
         if info.cuda_devices >= 2 and cores not in (1, info.cuda_devices) and not info.has_xla:
             return cores_error(info, cores)
         return None
