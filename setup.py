@@ -1,5 +1,12 @@
 from setuptools import find_packages, setup
 
+TEST = [
+    "pytest>=8",
+    "nbclient>=0.10",  # the test-notebooks run in a real Jupyter kernel
+    "nbformat>=5.10",
+    "ipykernel>=6.29",
+]
+
 setup(
     name="tpu_utility",
     version="0.1.0",
@@ -7,7 +14,13 @@ setup(
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["tpu_utility", "tpu_utility.*"]),
-    python_requires=">=3.10",
+    python_requires=">=3.10",  # tested on 3.10-3.13 (the classifiers); torch_xla has no 3.14 wheels
+    classifiers=[
+        "Programming Language :: Python :: 3.10",
+        "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
+        "Programming Language :: Python :: 3.13",
+    ],
     # No torch pin and no torch_xla here: Kaggle and Colab TPU images ship a matched
     # pair, and pip must never replace it. torch_xla comes with the extras.
     install_requires=[
@@ -19,14 +32,11 @@ setup(
     extras_require={
         "xla": ["torch_xla"],
         "tpu": ["torch_xla[tpu]"],
-        # The development and test set-up: the exact pair these tests are run against.
-        "dev": [
-            "torch==2.9.0",
-            "torch_xla==2.9.0",
-            "pytest>=8",
-            "nbclient>=0.10",  # the test-notebooks run in a real Jupyter kernel
-            "nbformat>=5.10",
-            "ipykernel>=6.29",
-        ],
+        # The test tools, without a stack: combine with one of the stacks below.
+        "test": TEST,
+        # The stacks the suite runs on (torch_xla X.Y.Z works with torch X.Y.Z only).
+        "kaggle": ["torch==2.8.0", "torch_xla==2.8.0"],  # Kaggle's TPU image, Python 3.12
+        "colab": ["torch==2.9.0", "torch_xla==2.9.0"],  # Colab's TPU runtime, Python 3.13
+        "dev": TEST + ["torch==2.9.0", "torch_xla==2.9.0"],
     },
 )

@@ -118,10 +118,15 @@ def run_ddp(world, n, epochs):
     procs = [ctx.Process(target=with_ddp, args=(r, world, port, n, epochs, results)) for r in range(world)]
     for p in procs:
         p.start()
-    out = results.get(timeout=600)
-    for p in procs:
-        p.join(60)
-    return out
+    try:
+        return results.get(timeout=600)
+    finally:  # nothing outlives the run, even a process stuck in its shutdown
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                print(f"DDP rank process {p.pid} did not exit within 10 s: killed", file=sys.stderr)
+                p.kill()
+                p.join()
 
 
 def main():

@@ -144,6 +144,7 @@ def main():
     p.add_argument("--data", default=os.path.join(".cache", "demo"))
     p.add_argument("--out", default="demo-output")
     p.add_argument("--min-accuracy", type=float, default=0.9, help="exit 1 below this")
+    p.add_argument("--lr-find-steps", type=int, default=100, help="lr_find's num_it")
     args = p.parse_args()
     start = time.perf_counter()
     info = tu.setup_tpu()
@@ -175,7 +176,8 @@ def main():
     scaled = tu.scale_lr_bs(1e-3, args.batch_size, cores=cores, verbose=False)
     found = tu.lr_find(model, tu.make_loader(tu.open_cache(os.path.join(cache_dir, "train")),
                                              scaled.global_batch_size),
-                       opt, F.cross_entropy, batch_fn=normalized, plot=os.path.join(args.out, "lr_find.png"))
+                       opt, F.cross_entropy, num_it=args.lr_find_steps, batch_fn=normalized,
+                       plot=os.path.join(args.out, "lr_find.png"))
     print(f"lr_find: valley {found.suggestion:.2e} at a batch of {scaled.global_batch_size}")
     out = tu.run(train_fn, cores=cores, args=(cache_dir, found.suggestion, args.epochs, args.batch_size, args.out))
 
