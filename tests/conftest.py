@@ -16,6 +16,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))  # the swap pair, cuda_train.py and tpu_train.py
+# PyPI's torch is the CUDA build, with triton, so under torch 2.8 every `import torch_xla`
+# (which imports torch._inductor) starts inductor's pool of two compile workers. Kaggle's
+# torch is the CPU build, without triton and without that pool: match it, and save every
+# XLA test process two torch imports.
+os.environ.setdefault("TORCH_WARM_POOL", "0")
 
 
 def child_processes(pid=None):
