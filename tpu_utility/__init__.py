@@ -5,7 +5,7 @@ from .devices import (get_device, is_master, master_print, optimizer_step, rank,
 from .environment import doctor, setup_tpu
 from .images import (CachedDataset, ImageCsvDataset, ImageFolderDataset, PresizeReport,
                      cache_dataset, denormalize, normalize, open_cache, presize_images, show_batch)
-from .launcher import run
+from .launcher import ReplicasExited, run
 from .lr_finder import lr_find
 from .reporting import report
 from .training import accuracy, predict, save, train_one_cycle
@@ -14,4 +14,5 @@ __all__ = ["setup_tpu", "get_device", "optimizer_step", "make_loader", "scale_lr
            "train_one_cycle", "lr_find", "predict", "save", "accuracy", "master_print",
            "is_master", "rank", "world_size", "sync", "report", "doctor", "presize_images",
            "PresizeReport", "ImageCsvDataset", "ImageFolderDataset", "cache_dataset",
-           "open_cache", "CachedDataset", "show_batch", "normalize", "denormalize"]
+           "open_cache", "CachedDataset", "show_batch", "normalize", "denormalize",
+           "ReplicasExited"]

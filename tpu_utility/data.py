@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 import weakref
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 from .engines import current
 
@@ -18,13 +19,19 @@ class DeviceLoader:
     feed) is kept per replica and built for the engine that replica runs, so one loader
     made at the top of a notebook serves every replica of `run(train_fn, cores=8)`, threads
     of one process included. Making one never starts the XLA runtime.
+
+    An epoch either delivers all `len(loader)` batches or raises: a sample that fails to
+    load raises its own exception (noting the dataset index) in the training code, even
+    where torch_xla loads batches in a thread that would otherwise end the epoch quietly.
     """
 
     def __init__(self, dataset, batch_size: int, shuffle: bool, drop_last: bool,
-                 num_workers: Optional[int], seed: int, loader_kwargs: dict, pad: bool = False):
+                 num_workers: Optional[int], seed: int, loader_kwargs: dict, pad: bool = False,
+                 skip_errors: bool = False):
         self.dataset = dataset
         self.per_core_batch_size = batch_size
         self.shuffle, self.drop_last, self.seed, self.pad = shuffle, drop_last, seed, pad
+        self.skip_errors = skip_errors
         self.num_workers = num_workers
         self.loader_kwargs = loader_kwargs
         self._init_replicas()
@@ -55,6 +62,12 @@ class DeviceLoader:
         """The calling replica's next epoch."""
         return self._replica().epoch
 
+    @property
+    def skipped(self) -> List[Tuple[int, str]]:
+        """(dataset index, error) of the samples the calling replica skipped in its last
+        epoch (`skip_errors=True`)."""
+        return list(self._replica().guard.skipped)
+
     def __len__(self) -> int:
         return len(self.loader)
 
@@ -71,8 +84,11 @@ class DeviceLoader:
         replicas, rank = engine.shard()
         per_step = engine.per_step_batch(self.per_core_batch_size)
         dataset = self.dataset
+        if len(dataset) == 0:
+            raise ValueError("make_loader: the dataset is empty (0 samples)")
         if self.pad:  # a whole number of full global batches: static shapes, no padding by the sampler
             dataset = PaddedDataset(dataset, self.per_core_batch_size * engine.world_size)
+        dataset = _Loading(dataset, len(self.dataset), self.skip_errors)
         # One sampler for every engine, so all see the same permutation (seed + epoch).
         sampler = DistributedSampler(dataset, num_replicas=replicas, rank=rank,
                                      shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last)
@@ -82,6 +98,8 @@ class DeviceLoader:
         # No persistent workers: a valid loader's workers, forked while the train loader's
         # stay alive, inherit its iterator and fail on it at exit.
         kwargs = {**engine.loader_options(workers), **self.loader_kwargs}
+        if self.skip_errors:
+            kwargs["collate_fn"] = _SkipCollate(kwargs.get("collate_fn"))
         loader = DataLoader(dataset, batch_size=per_step, sampler=sampler,
                             drop_last=self.drop_last, num_workers=workers, **kwargs)
         if len(loader) == 0:
@@ -97,8 +115,40 @@ class DeviceLoader:
         state.loader.sampler.set_epoch(state.epoch)
         state.epoch += 1
         if state.feed is None:
-            state.feed = state.engine.feed(state.loader)  # uploads ahead, cuts the graph each step
-        return iter(state.feed)
+            # Uploads ahead and cuts the graph each step; on XLA it iterates the guard in a
+            # thread of its own, whose errors would otherwise end the epoch in silence.
+            state.feed = state.engine.feed(state.guard)
+        return self._checked(state, state.epoch - 1)
+
+    def _checked(self, state, epoch: int) -> Iterator:
+        guard = state.guard
+        guard.reset()
+        expected, n = len(state.loader), 0
+        batches = iter(state.feed)
+        try:
+            for batch in batches:
+                if guard.error is not None:  # do not train on the batches prefetched before it
+                    break
+                n += 1
+                yield batch
+        finally:  # stopped early (or failed): the feed's threads and workers stop too
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()
+        if guard.error is not None:
+            raise guard.error
+        if n < expected:
+            raise RuntimeError(
+                f"the input pipeline stopped after {n} of {expected} batches of epoch {epoch} "
+                f"without an error from the dataset: the thread that loads batches died (see "
+                f"the traceback printed above)")
+        if guard.skipped:
+            first = guard.skipped[0]
+            warnings.warn(
+                f"make_loader(skip_errors=True): {len(guard.skipped)} samples failed to load in "
+                f"epoch {epoch} and were replaced by the next that loads (dataset indices "
+                f"{sorted(i for i, _ in guard.skipped)[:20]}); the first error, at index "
+                f"{first[0]}: {first[1]}", RuntimeWarning, stacklevel=2)
 
 
 class _ReplicaState:
@@ -108,6 +158,97 @@ class _ReplicaState:
         self.engine, self.loader = engine, loader
         self.epoch = 0
         self.feed = None
+        self.guard = _Guard(loader)
+
+
+class _Guard:
+    """The torch DataLoader, iterated where the engine's feed iterates it: keeps the
+    exception that ends an epoch, and the samples skipped, for the training thread."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.reset()
+
+    def reset(self) -> None:
+        self.error: Optional[BaseException] = None
+        self.skipped: List[Tuple[int, str]] = []
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        try:
+            for batch in self.loader:
+                if isinstance(batch, _WithSkips):
+                    self.skipped += batch.skipped
+                    batch = batch.batch
+                yield batch
+        except Exception as e:  # not GeneratorExit: the consumer stopping early is no error
+            self.error = e
+
+
+class _Loading:
+    """The dataset as the DataLoader reads it: a failing sample's exception notes its
+    index; with `skip` the next sample that loads takes its place (static shapes)."""
+
+    MAX_TRIES = 64
+
+    def __init__(self, dataset, real_len: int, skip: bool):
+        self.dataset, self.real_len, self.skip = dataset, real_len, skip
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        try:
+            return self.dataset[i]
+        except Exception as e:
+            if not self.skip:
+                _note(e, f"(loading dataset index {i % self.real_len})")
+                raise
+            first = e
+        n = len(self.dataset)
+        for k in range(1, min(n, self.MAX_TRIES)):
+            try:
+                sample = self.dataset[(i + k) % n]
+            except Exception:
+                continue
+            return _Replaced(sample, (i % self.real_len, f"{type(first).__name__}: {first}"))
+        _note(first, f"(loading dataset index {i % self.real_len}; skip_errors=True found no "
+                     f"sample that loads among the next {min(n, self.MAX_TRIES) - 1})")
+        raise first
+
+
+def _note(e: BaseException, text: str) -> None:
+    if hasattr(e, "add_note"):  # Python 3.11+: shown under the message, in any traceback
+        e.add_note(text)
+    elif e.args and isinstance(e.args[0], str):
+        e.args = (f"{e.args[0]} {text}",) + e.args[1:]
+
+
+class _Replaced:
+    def __init__(self, sample, skipped: Tuple[int, str]):
+        self.sample, self.skipped = sample, skipped
+
+
+class _WithSkips:
+    def __init__(self, batch, skipped):
+        self.batch, self.skipped = batch, skipped
+
+
+class _SkipCollate:
+    """Collates as `collate_fn` would, and carries the skipped samples' records along
+    (DataLoader workers are other processes: the count has to travel with the batch)."""
+
+    def __init__(self, collate_fn):
+        self.collate_fn = collate_fn
+
+    def __call__(self, samples):
+        from torch.utils.data import default_collate
+        skipped = [s.skipped for s in samples if isinstance(s, _Replaced)]
+        samples = [s.sample if isinstance(s, _Replaced) else s for s in samples]
+        batch = (self.collate_fn or default_collate)(samples)
+        return _WithSkips(batch, skipped) if skipped else batch
 
 
 class PaddedDataset:
@@ -138,7 +279,7 @@ def make_loader(data, batch_size: Optional[int] = None, *, train: bool = True,
                 shuffle: Optional[bool] = None, drop_last: Optional[bool] = None,
                 num_workers: Optional[int] = None, seed: int = 0,
                 collate_fn: Optional[Callable] = None, pad: bool = False,
-                **loader_kwargs: Any) -> DeviceLoader:
+                skip_errors: bool = False, **loader_kwargs: Any) -> DeviceLoader:
     """The swap for `DataLoader(dataset, batch_size, shuffle=True)`.
 
     `batch_size` is per core, as in every TPU tutorial. `train=True` means shuffle and
@@ -149,6 +290,11 @@ def make_loader(data, batch_size: Optional[int] = None, *, train: bool = True,
     An existing DataLoader is converted, keeping its dataset, batch size and collate_fn.
     `pad=True` (evaluation) repeats samples so that every batch on every replica is full,
     and yields `(batch, valid)` with `valid` a bool tensor that is False on the repeats.
+
+    A sample whose loading raises stops the epoch with that exception (its dataset index
+    noted). `skip_errors=True` replaces it with the next sample that loads instead, so
+    batches keep their shape, and warns at the end of the epoch with the count and the
+    indices (`loader.skipped` lists them).
 
     Example:
         >>> import torch, tpu_utility as tu
@@ -179,6 +325,7 @@ def make_loader(data, batch_size: Optional[int] = None, *, train: bool = True,
         raise ValueError("pad=True keeps every sample: use it with train=False or drop_last=False")
     if collate_fn is not None:
         loader_kwargs["collate_fn"] = collate_fn
-    out = DeviceLoader(data, batch_size, shuffle, drop_last, num_workers, seed, loader_kwargs, pad)
+    out = DeviceLoader(data, batch_size, shuffle, drop_last, num_workers, seed, loader_kwargs,
+                       pad, skip_errors)
     len(out)  # too few samples for one batch: say so now, not at the first epoch
     return out

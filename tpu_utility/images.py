@@ -140,6 +140,9 @@ def presize_images(src: Union[PathLike, Sequence[PathLike]], dst: PathLike, size
                          f"in {src}")
     folders = sorted({os.path.dirname(p) for p in files}) if listed else [os.path.abspath(src)]
     root, dst = os.path.commonpath(folders), os.path.abspath(dst)
+    if os.path.exists(dst) and not os.path.isdir(dst):
+        raise NotADirectoryError(f"presize_images: dst {dst} is a file, not a folder: pass a "
+                                 f"folder to write the resized images into")
     for folder in folders:
         a, b = os.path.realpath(folder), os.path.realpath(dst)
         if os.path.commonpath([a, b]) in (a, b):
@@ -204,6 +207,7 @@ def _presize_all(todo, workers: int) -> Iterator[Tuple[str, Optional[str]]]:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
+    from .children import die_with_parent
     # Chunks amortise the IPC round trip (~1 ms) over several files, yet stay small
     # enough for the bar to move and for the cores to finish together.
     chunk = max(1, min(32, len(todo) // (workers * 8)))
@@ -211,7 +215,9 @@ def _presize_all(todo, workers: int) -> Iterator[Tuple[str, Optional[str]]]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=DeprecationWarning,
                                 message=r".*use of fork\(\) may lead to deadlocks")
-        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+        # The workers die with this process, whatever kills it (a kernel restart, say).
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                   initializer=die_with_parent, initargs=(os.getpid(),))
     with pool:
         try:
             for result in pool.map(_presize_one, todo, chunksize=chunk):
@@ -527,6 +533,9 @@ def open_cache(path: PathLike, key: Optional[str] = None) -> CachedDataset:
         raise partial(f"unreadable {_MANIFEST}: {e}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != _CACHE_FORMAT:
         raise partial(f"{_MANIFEST} is not a {_CACHE_FORMAT} manifest")
+    missing = [k for k in ("key", "samples", "copies", "structure", "leaves") if k not in manifest]
+    if missing:
+        raise partial(f"{_MANIFEST} lacks {', '.join(missing)}")
     if key is not None and manifest["key"] != key:
         raise ValueError(f"cache {path} was built with key={manifest['key']!r}, not key={key!r}: "
                          f"it is stale. Rebuild it with cache_dataset(..., rebuild=True)")

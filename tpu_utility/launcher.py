@@ -9,16 +9,21 @@ caller (a notebook kernel) never holds the runtime.
 from __future__ import annotations
 
 import functools
-import io
 import multiprocessing
+import os
 import pickle
 import queue as queue_mod
+import re
+import shutil
 import signal
+import sys
+import tempfile
 import time
 import traceback
 from typing import Any, Callable, Optional, Sequence
 
 from . import engines
+from .children import die_with_parent
 from .devices import to_cpu
 from .environment import in_notebook, setup_tpu
 
@@ -33,7 +38,19 @@ class RemoteTraceback(Exception):
 
 
 class ReplicasExited(RuntimeError):
-    """Replica processes ended without reporting a result or an error."""
+    """Replica processes ended without reporting a result or an error (a segfault, the
+    out-of-memory killer, `os._exit`); the message names each one's exit code or signal.
+
+    Example:
+        >>> import os, tpu_utility as tu
+        >>> def quits():
+        ...     os._exit(3)
+        >>> try:
+        ...     tu.run(quits, cores=1, engine="distributed", start_method="fork")
+        ... except tu.ReplicasExited as e:
+        ...     print("exit codes" in str(e))
+        True
+    """
 
 
 def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), *,
@@ -52,7 +69,8 @@ def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), 
     runtime: a `cores=1` run, then a `cores=8` run, work in one notebook kernel. What
     train_fn returns on the master replica comes back with its tensors on CPU. An error
     in any replica is re-raised here with that replica's traceback and every replica is
-    stopped; `timeout` (seconds) bounds the whole run. Without torch_xla, one device
+    stopped; `timeout` (seconds) bounds the whole run. Replicas die with this process,
+    whatever ends it (SIGTERM, SIGKILL, a kernel restart). Without torch_xla, one device
     runs here, in this process.
 
     Example:
@@ -62,70 +80,136 @@ def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), 
         >>> tu.run(train_fn, cores=1, start_method="fork")
         tensor([2., 2.])
     """
+    args = _check_run_arguments(train_fn, args, start_method, timeout)
     info = setup_tpu(verbose=False)
     cls = engines.choose(cores, info, engine)
-    args = tuple(args)
+    if start_method is not None and start_method not in cls.start_methods:
+        raise ValueError(f"engine {cls.name!r} starts its processes with "
+                         f"{' or '.join(cls.start_methods)}, not start_method={start_method!r}")
     nprocs, expected = cls.processes(info, cores)
     if nprocs == 0:
         with engines.activate(cls.in_caller(info, cores)):
             return to_cpu(train_fn(*args))
     forks = "fork" in cls.start_methods
     start_method = start_method or ("fork" if in_notebook() and forks else "spawn")
-    if start_method not in cls.start_methods:
-        raise ValueError(f"engine {cls.name!r} starts its processes with "
-                         f"{' or '.join(cls.start_methods)}, not start_method={start_method!r}")
     if start_method == "spawn":
-        try:
-            pickle.dumps((train_fn, args))
-        except Exception as e:
+        problem = pickling_problem({"train_fn": train_fn,
+                                    **{f"args[{i}]": a for i, a in enumerate(args)}})
+        if problem:
             fix = ("or pass start_method='fork'" if forks else
                    f"in a .py file you import (engine {cls.name!r} can only spawn)")
-            raise ValueError(
-                f"train_fn or args cannot be pickled for start_method='spawn' ({e}). Define "
-                f"train_fn at module level (not a lambda or a nested function), {fix}.") from None
+            raise ValueError(f"run: {problem} for start_method='spawn'. Define functions at module "
+                             f"level (not a lambda or a nested function), {fix}.")
     with cls.prepare(info, cores, start_method, timeout) as setup:
         ctx = multiprocessing.get_context(start_method)
+        # Reports are small messages on the queue (one atomic pipe write each, so a replica
+        # killed mid-send cannot leave a half message to block on); results and tracebacks
+        # go through files, written whole before they are named.
         results = ctx.Queue()
+        outbox = tempfile.mkdtemp(prefix="tpu_utility-run-")
         procs = [ctx.Process(target=_process_main, name=f"tpu_utility-{cls.name}-{r}",
-                             args=(cls, setup, cores, r, nprocs, train_fn, args, results, start_method))
+                             args=(cls, setup, cores, r, nprocs, train_fn, args, results,
+                                   start_method, outbox, os.getpid()))
                  for r in range(nprocs)]
         try:
             for p in procs:
                 p.start()
-            return _collect(procs, results, expected, timeout)
-        except ReplicasExited as e:
-            if start_method == "spawn":
-                raise ReplicasExited(f"{e}. With start_method='spawn' each child re-imports your "
-                                     f"script: put the run() call under "
-                                     f"`if __name__ == \"__main__\":`.") from None
-            raise
+            return _collect(procs, results, expected, timeout, start_method)
         finally:
             _stop(procs)
+            shutil.rmtree(outbox, ignore_errors=True)
 
 
-def _collect(procs, results, expected: int, timeout):
+def _check_run_arguments(train_fn, args, start_method, timeout) -> tuple:
+    """Every argument of run() checked before anything starts; returns args as a tuple."""
+    if not callable(train_fn):
+        raise TypeError(f"run: train_fn must be a function, got {type(train_fn).__name__} "
+                        f"{train_fn!r}")
+    if isinstance(args, (str, bytes)) or not isinstance(args, (tuple, list)):
+        raise TypeError(f"run: args must be a tuple of train_fn's arguments, got "
+                        f"{type(args).__name__} {args!r}; for one argument write args=(x,)")
+    if start_method not in (None, "fork", "spawn"):
+        raise ValueError(f"run: start_method must be 'fork', 'spawn' or None (fork in notebooks, "
+                         f"spawn in scripts), got {start_method!r}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout > 0):
+        raise ValueError(f"run: timeout must be a number of seconds > 0, or None, got {timeout!r}")
+    return tuple(args)
+
+
+def pickling_problem(named: dict) -> Optional[str]:
+    """'<name> (<type>) cannot be pickled (<why>)' for the first object that cannot be sent
+    to a spawned process, or None."""
+    for name, obj in named.items():
+        try:
+            pickle.dumps(obj)
+        except Exception as e:
+            return f"{name} ({type(obj).__name__}) cannot be pickled ({type(e).__name__}: {e})"
+    return None
+
+
+def _collect(procs, results, expected: int, timeout, start_method: str):
     deadline = None if timeout is None else time.monotonic() + timeout
-    done, master = 0, None
+    done, master, started = 0, None, set()
     while done < expected:
-        rank, status, payload = _next_message(procs, results, deadline, timeout, done, expected)
+        try:
+            rank, status, path = _next_message(procs, results, deadline, timeout, done, expected)
+        except ReplicasExited as e:
+            raise ReplicasExited(f"{e}{_start_hint(procs, started, start_method)}") from None
+        if status == "started":
+            started.add(rank)
+            continue
         if status == "error":
-            pickled, text = payload
-            try:
-                exc = pickle.loads(pickled)
-            except Exception:  # an exception type the parent cannot rebuild
-                exc = RuntimeError(text.strip().splitlines()[-1])
-            exc.__cause__ = RemoteTraceback(f"\n\nReplica {rank} traceback:\n{text}")
-            dead = [p for p in procs if p.exitcode not in (None, 0)]
-            if dead:  # the error is the others losing it in a collective: name the cause
-                raise ReplicasExited(
-                    f"replica processes exited without reporting an error (exit codes "
-                    f"{_exit_codes(dead)}), and replica {rank} then failed waiting for them: {exc}") from exc
-            raise exc
+            raise _rebuild_error(rank, _read(path), procs)
         done += 1
         if rank == 0:
             import torch
-            master = torch.load(io.BytesIO(payload), weights_only=False)
+            master = torch.load(path, weights_only=False)
     return master
+
+
+def _rebuild_error(rank: int, payload, procs) -> BaseException:
+    """The replica's exception, rebuilt where it can be, with its traceback text as cause."""
+    pickled, text = payload
+    try:
+        exc = pickle.loads(pickled)
+        if not isinstance(exc, BaseException):
+            raise TypeError(type(exc))
+    except Exception:  # an exception type the parent cannot rebuild
+        lines = text.strip().splitlines()
+        exc = RuntimeError(lines[-1] if lines else f"replica {rank} failed")
+    exc.__cause__ = RemoteTraceback(f"\n\nReplica {rank} traceback:\n{text}")
+    dead = [p for p in procs if p.exitcode not in (None, 0)]
+    if dead:  # the error is the others losing it in a collective: name the cause
+        err = ReplicasExited(
+            f"replica processes exited without reporting an error (exit codes "
+            f"{_exit_codes(dead)}), and replica {rank} then failed waiting for them: {exc}")
+        err.__cause__ = exc
+        return err
+    return exc
+
+
+def _start_hint(procs, started, start_method: str) -> str:
+    """Why replicas that died before train_fn ran did so, when it can be known."""
+    early = [p for i, p in enumerate(procs) if i not in started and p.exitcode not in (None, 0)]
+    if not early:
+        return ""
+    if start_method == "spawn" and _script_unguarded():
+        return (". They died while starting: with start_method='spawn' each child re-imports "
+                "your script, which calls run() again; put the run() call under "
+                "`if __name__ == \"__main__\":`")
+    return ". They died while starting, before train_fn ran (see the traceback above)"
+
+
+def _script_unguarded() -> bool:
+    """Whether the running script has no `if __name__ == "__main__":` guard."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    try:
+        with open(path) as f:
+            source = f.read()
+    except (OSError, TypeError):
+        return False
+    return not re.search(r"""__name__\s*==\s*['"]__main__['"]|['"]__main__['"]\s*==\s*__name__""", source)
 
 
 def _next_message(procs, results, deadline, timeout, done, expected):
@@ -142,7 +226,7 @@ def _next_message(procs, results, deadline, timeout, done, expected):
             except queue_mod.Empty:
                 raise ReplicasExited(f"replica processes exited after {done} of {expected} "
                                      f"results without reporting an error (exit codes "
-                                     f"{_exit_codes(procs)})")
+                                     f"{_exit_codes(procs)})") from None
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"run() timed out (timeout={timeout:g} s) with {done} of {expected} "
                                f"replicas finished")
@@ -155,7 +239,10 @@ def _exit_codes(procs) -> str:
         if code == -signal.SIGKILL:
             code = f"{code}, SIGKILL: out of host memory?"
         elif code is not None and code < 0:
-            code = f"{code}, {signal.Signals(-code).name}"
+            try:
+                code = f"{code}, {signal.Signals(-code).name}"
+            except ValueError:  # a real-time signal without a name
+                code = f"{code}, signal {-code}"
         out.append(f"{p.name}: {code}")
     return ", ".join(out)
 
@@ -173,7 +260,10 @@ def _stop(procs) -> None:
             p.join()
 
 
-def _process_main(cls, setup, cores, local_rank, nprocs, train_fn, args, results, start_method) -> None:
+def _process_main(cls, setup, cores, local_rank, nprocs, train_fn, args, results, start_method,
+                  outbox, parent_pid) -> None:
+    die_with_parent(parent_pid)
+    results.put((local_rank, "started", None))
     if start_method == "fork":
         # torch's OpenMP pool (libgomp) hangs in a forked child if the parent used it, at
         # the child's first parallel CPU op. One thread runs ops inline, as DataLoader
@@ -182,33 +272,64 @@ def _process_main(cls, setup, cores, local_rank, nprocs, train_fn, args, results
         torch.set_num_threads(1)
     try:
         cls.start(setup, local_rank, nprocs, cores,
-                  functools.partial(_replica_main, train_fn, args, results))
+                  functools.partial(_replica_main, train_fn, args, results, outbox))
     except BaseException as e:  # the engine failed to start (a replica's own errors are reported)
-        _report_error(results, local_rank, e)
+        _report_error(results, outbox, local_rank, e)
 
 
-def _replica_main(train_fn, args, results, engine) -> None:
+def _replica_main(train_fn, args, results, outbox, engine) -> None:
     import torch
     try:
         with engines.activate(engine):
             out = to_cpu(train_fn(*args))
+            path = None
+            if engine.rank == 0:  # before the others leave: a result that cannot travel says so
+                path = os.path.join(outbox, "result.pt")
+                try:
+                    _write(path, lambda f: torch.save(out, f))
+                except Exception as e:
+                    raise TypeError(
+                        f"train_fn's return value ({type(out).__name__}) cannot be pickled to "
+                        f"send it back ({type(e).__name__}: {e}): return tensors, dicts, lists, "
+                        f"numbers (a model's state_dict(), not a generator, lambda or file)") from None
             # No replica leaves before the master is done, its writes included.
             engine.barrier()
-        payload = None
-        if engine.rank == 0:
-            buf = io.BytesIO()
-            torch.save(out, buf)
-            payload = buf.getvalue()
-        results.put((engine.rank, "ok", payload))
+        results.put((engine.rank, "ok", path))
     except BaseException as e:
-        _report_error(results, engine.rank, e)
+        _report_error(results, outbox, engine.rank, e)
 
 
-def _report_error(results, rank, e) -> None:
+def _report_error(results, outbox, rank, e) -> None:
     # Report and return: the parent stops every replica, including those waiting for
     # this one in a collective.
+    text = traceback.format_exc()
     try:
         pickled = pickle.dumps(e)
     except Exception:
         pickled = b""
-    results.put((rank, "error", (pickled, traceback.format_exc())))
+    path = os.path.join(outbox, f"error-{rank}-{os.getpid()}.pkl")
+    try:
+        _write(path, lambda f: pickle.dump((pickled, text), f))
+    except Exception:
+        try:
+            _write(path, lambda f: pickle.dump((b"", text), f))
+        except OSError:  # nowhere to write: the exit code will still tell the parent
+            return
+    results.put((rank, "error", path))
+
+
+def _write(path: str, dump: Callable) -> None:
+    """Write a file whole or not at all: the parent only ever reads complete ones."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            dump(f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _read(path: str):
+    with open(path, "rb") as f:
+        return pickle.load(f)

@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 from .devices import get_device, is_master, optimizer_step, sync, to_cpu
 from .engines import current, in_run
 from .compat import runtime_started
-from .environment import xla_version
+from .environment import in_notebook, xla_version
 from .reporting import plot_lines, xla_counts
 from .schedules import no_special_scalar, sched_exp
 from .training import as_loader, autocast_context, forward, split_batch
@@ -90,7 +90,15 @@ def lr_find(model, train_loader, opt, loss_fn: Callable, start_lr: float = 1e-7,
     if not in_run() and xla_version() and not runtime_started():
         # Keep the XLA runtime out of this process (a notebook kernel, say), so that a
         # later multi-core run() can still start: sweep in a child on one device.
-        from .launcher import run
+        from .launcher import pickling_problem, run
+        start_method = start_method or ("fork" if in_notebook() else "spawn")
+        problem = start_method == "spawn" and pickling_problem(
+            {"model": model, "train_loader": loader, "opt": opt, "loss_fn": loss_fn,
+             "batch_fn": batch_fn})
+        if problem:
+            raise ValueError(f"lr_find: {problem}, so it cannot reach the process that runs the "
+                             f"sweep. Define it at module level (not a lambda or a nested "
+                             f"function), or pass start_method='fork'.")
         result = run(_sweep_moved, cores=1, args=(model, loader, opt, loss_fn, kwargs),
                      start_method=start_method)
     elif _device_type(model) != get_device().type:
@@ -146,11 +154,13 @@ def _sweep_in_place(model, loader, opt, loss_fn, *, start_lr, end_lr, num_it, ch
     model.train()
     try:
         while len(raw) < num_it and not stop[0]:
+            yielded = False
             it = iter(loader)
             for batch in it:
+                yielded = True
                 i = len(raw)
                 if i >= num_it or stop[0]:
-                    _close(it)
+                    it.close()  # stops the loader's threads and workers
                     break
                 lr = no_special_scalar(sched_exp(start_lr, end_lr, i / num_it))
                 for group in opt.param_groups:
@@ -169,6 +179,9 @@ def _sweep_in_place(model, loader, opt, loss_fn, *, start_lr, end_lr, num_it, ch
                 diverged = diverged | torch.isnan(smooth) | (smooth > 4 * best)
                 if stop_div and i % check_every == 0:
                     engine.after_step(check, diverged)
+            if not yielded:  # another pass would yield nothing either: never loop forever
+                raise ValueError(f"lr_find: train_loader yielded no batch ({len(loader)} "
+                                 f"expected)")
         losses = to_cpu(torch.stack(raw)).tolist()  # the one read of the sweep
     finally:
         model.load_state_dict(model_state)
@@ -192,13 +205,6 @@ def _sweep_in_place(model, loader, opt, loss_fn, *, start_lr, end_lr, num_it, ch
                           transfers=counts1["transfers"] - counts0["transfers"])
     result.png = plot_png(result)
     return result
-
-
-def _close(it) -> None:
-    """Stop an MpDeviceLoader iteration early, so its upload threads end."""
-    parallel = getattr(it, "_loader", None)
-    if parallel is not None and hasattr(parallel, "close"):
-        parallel.close()
 
 
 # The pure part: smoothing, stopping and fastai's suggestions, on plain lists.

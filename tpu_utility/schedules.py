@@ -39,6 +39,37 @@ def one_cycle(max_lr: float, pct_start: float = 0.25, div: float = 25.0,
     return lr, mom
 
 
+def check_one_cycle(max_lrs, pct_start: float, div: float, div_final: float, moms,
+                    lr_name: str = "max_lr") -> None:
+    """A ValueError, naming the argument, for one-cycle settings that would train nothing
+    or train backwards (a zero or negative lr, a phase of no length).
+
+    Example:
+        >>> check_one_cycle([0.0], 0.25, 25.0, 1e5, None)
+        Traceback (most recent call last):
+        ...
+        ValueError: max_lr must be a positive number, got 0.0: with it nothing trains (try lr_find)
+    """
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    for lr in max_lrs:
+        if not number(lr) or lr <= 0:
+            raise ValueError(f"{lr_name} must be a positive number, got {lr!r}: with it nothing "
+                             f"trains (try lr_find)" if number(lr) and lr == 0 else
+                             f"{lr_name} must be a positive number, got {lr!r} (try lr_find)")
+    if not number(pct_start) or not 0 < pct_start < 1:
+        raise ValueError(f"pct_start (the warm-up's share of the steps) must be between 0 and 1, "
+                         f"got {pct_start!r}")
+    for name, value in (("div", div), ("div_final", div_final)):
+        if not number(value) or value <= 0:
+            raise ValueError(f"{name} must be a positive number (the lr is max_lr/{name} at that "
+                             f"end), got {value!r}")
+    if moms:
+        if len(moms) != 3 or not all(number(m) and 0 <= m < 1 for m in moms):
+            raise ValueError(f"moms must be three momentums in [0, 1) (start, middle, end), "
+                             f"got {moms!r}")
+
+
 def no_special_scalar(value: float) -> float:
     """`value`, moved just off 0.0, 1.0 and -1.0.
 

@@ -7,10 +7,12 @@ and the schedule never feeds 0.0 or 1.0, so after the first epoch nothing compil
 """
 from __future__ import annotations
 
+import errno
 import inspect
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -18,7 +20,7 @@ from .data import DeviceLoader, make_loader
 from .devices import get_device, is_master, optimizer_step, sync, to_cpu
 from .engines import current
 from .reporting import EpochTable, plot_lines, xla_counts
-from .schedules import no_special_scalar, one_cycle
+from .schedules import check_one_cycle, no_special_scalar, one_cycle
 
 
 @dataclass
@@ -33,6 +35,7 @@ class EpochStats:
     compiles: int  # XLA graphs compiled during the epoch
     transfers: int  # device-to-host reads during the epoch
     saved: bool = False
+    skipped: int = 0  # samples that failed to load and were replaced (make_loader(skip_errors=True))
 
 
 @dataclass
@@ -79,16 +82,45 @@ def save(obj: Any, path: str) -> Optional[str]:
     obj = to_cpu(obj)
     if not is_master():
         return None
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        torch.save(obj, tmp)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        # Written through a Python file: a full disk then raises ENOSPC, where torch's own
+        # writer says only "unexpected pos".
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        cause = e  # torch's writer may mask the OSError with its own error on the way out
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__context__
+        if cause is None:
+            raise
+        raise OSError(cause.errno, f"could not write {path}: {cause.strerror or cause}"
+                      + (" (the disk is full)" if cause.errno == errno.ENOSPC else "")) from e
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
     return path
+
+
+def check_writable(path: Optional[str], argument: str) -> None:
+    """Before any work: `path`'s folder exists (made if not) and takes a new file there."""
+    if path is None or not is_master():
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    probe = os.path.join(directory, f".tpu_utility-probe-{os.getpid()}")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(probe, "wb"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise OSError(e.errno, f"{argument}={path!r} cannot be written ({e.strerror or e} in "
+                      f"{directory}): pick a writable folder, such as /kaggle/working or the "
+                      f"current directory") from None
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{argument}={path!r} is a folder: give a file name in it")
 
 
 def train_one_cycle(model, train_loader, opt, loss_fn: Callable, epochs: int,
@@ -129,9 +161,13 @@ def train_one_cycle(model, train_loader, opt, loss_fn: Callable, epochs: int,
         raise ValueError(f"grad_accum must be an int >= 1, got {grad_accum!r}")
     if log_every is not None and log_every < 1:
         raise ValueError(f"log_every must be >= 1 or None, got {log_every!r}")
+    max_lrs = [max_lr] * len(opt.param_groups) if max_lr is not None else [g["lr"] for g in opt.param_groups]
+    check_one_cycle(max_lrs, pct_start, div, div_final, moms,
+                    lr_name="max_lr" if max_lr is not None else "the optimizer's lr (max_lr=None)")
     train_loader = as_loader(train_loader, train=True, name="train_loader")
     valid = as_loader(valid_loader, train=False, name="valid_loader", pad=True) if valid_loader is not None else None
     engine = current()
+    check_model_device(model, engine.device(), "train_one_cycle")
     autocast = autocast_context(precision, engine.device())
     names = [metric_name(m) for m in metrics]
     allowed = ["train_loss"] + (["valid_loss"] + names if valid is not None else [])
@@ -139,7 +175,8 @@ def train_one_cycle(model, train_loader, opt, loss_fn: Callable, epochs: int,
         raise ValueError(f"monitor={monitor!r} is not computed here; choose one of {allowed} "
                          f"(valid_loss and metrics need valid_loader)")
     mom_key = momentum_key(opt) if moms else None
-    max_lrs = [max_lr] * len(opt.param_groups) if max_lr is not None else [g["lr"] for g in opt.param_groups]
+    check_writable(save_best, "save_best")  # now, not after the first epoch's work
+    check_writable(plot, "plot")
     batches = len(train_loader)
     steps_per_epoch = math.ceil(batches / grad_accum)
     total_steps = epochs * steps_per_epoch
@@ -153,6 +190,7 @@ def train_one_cycle(model, train_loader, opt, loss_fn: Callable, epochs: int,
     engine.sync_module(model)  # replicas that drew different weights start from the master's
     loss_sum = engine.zeros(())
     step = 0
+    guard = LossGuard(history, max_lrs[0], save_best)
     try:
         for epoch in table.epochs():
             counts0, t0 = xla_counts(), time.perf_counter()
@@ -161,7 +199,7 @@ def train_one_cycle(model, train_loader, opt, loss_fn: Callable, epochs: int,
             bar = table.batches(train_loader, batches)
             opt.zero_grad()
             for i, batch in enumerate(bar):
-                check_first_loss(history, max_lrs[0])
+                guard.check_logged()  # the reads that already happen: no extra transfer
                 inputs, target = split_batch(batch, batch_fn)
                 with autocast:
                     loss = loss_fn(forward(model, inputs), target)
@@ -188,7 +226,7 @@ def train_one_cycle(model, train_loader, opt, loss_fn: Callable, epochs: int,
                 step += 1
                 if step == 1 or (log_every and step % log_every == 0):
                     log_after_step(loss_sum, i + 1, step, history, table, bar)
-            check_first_loss(history, max_lrs[0])
+            guard.check_logged()
             sums = [loss_sum.reshape(1)]
             if valid is not None:
                 sums += evaluate(model, valid, loss_fn, metrics, batch_fn, autocast)
@@ -197,24 +235,29 @@ def train_one_cycle(model, train_loader, opt, loss_fn: Callable, epochs: int,
             (totals,) = engine.all_reduce_sum([torch.cat(sums)])
             stats = [totals[0] / (batches * engine.replicas)]
             stats += [totals[k] / totals[-1] for k in range(1, len(totals) - 1)]
-            stats = torch.stack(stats)
+            stats = torch.stack(stats + ([totals[-1]] if valid is not None else []))
             # Zeroed in this graph, not re-created: under SPMD a fresh upload makes the first
             # step of each epoch a graph of its own.
             loss_sum.zero_()
             sync()  # one graph for everything pending, the same every epoch
             values = to_cpu(stats).tolist()  # the epoch's one read
             seconds = time.perf_counter() - t0
+            if valid is not None:
+                check_count(values.pop(), len(valid.dataset), "valid_loader")
             train_loss, rest = values[0], values[1:]
+            guard.check_epoch(train_loss, step)
             metric_values = dict(zip(names, rest[1:]))
             e = EpochStats(epoch, train_loss, rest[0] if rest else None, metric_values,
-                           history.lrs[-1], seconds, samples * engine.replicas / seconds, 0, 0)
+                           history.lrs[-1], seconds, samples * engine.replicas / seconds, 0, 0,
+                           skipped=len(train_loader.skipped))
             now = {"train_loss": e.train_loss, "valid_loss": e.valid_loss, **metric_values}
             if save_best is not None:
                 value = now[monitor]  # reduced over replicas: every replica decides alike
                 better = history.best is None or (value < history.best if lower_is_better else value > history.best)
                 if better and math.isfinite(value):
-                    history.best, e.saved = value, True
-                    save(model.state_dict(), save_best)
+                    e.saved = save_or_warn(model.state_dict(), save_best, "save_best")
+                    if e.saved:
+                        history.best, guard.saved_epoch = value, epoch
             counts1 = xla_counts()
             e.compiles = counts1["compiles"] - counts0["compiles"]
             e.transfers = counts1["transfers"] - counts0["transfers"]
@@ -225,8 +268,84 @@ def train_one_cycle(model, train_loader, opt, loss_fn: Callable, epochs: int,
         for group, saved in zip(opt.param_groups, hyper):
             group.update(saved)
     if plot is not None and is_master():
-        history.plot = plot_history(history, plot)
+        try:
+            history.plot = plot_history(history, plot)
+        except OSError as e:  # the training is done: never lose it to a plot
+            warnings.warn(f"train_one_cycle: could not write plot={plot!r} ({e}); the History "
+                          f"is returned without it", RuntimeWarning)
     return history
+
+
+def save_or_warn(obj, path: str, argument: str) -> bool:
+    """`save`, or a warning when it fails: training goes on, and the file on disk (an
+    earlier checkpoint, if any) stays whole."""
+    try:
+        save(obj, path)
+        return True
+    except OSError as e:
+        warnings.warn(f"{argument}: {e}; training goes on, and {path} keeps what it held",
+                      RuntimeWarning)
+        return False
+
+
+class LossGuard:
+    """Stops training at a non-finite loss, using only the reads that already happen (a
+    log point's step closure, the end of an epoch), and says between which steps it went."""
+
+    def __init__(self, history: History, max_lr: float, save_best: Optional[str]):
+        self.history, self.max_lr, self.save_best = history, max_lr, save_best
+        self.checked = 0  # logged entries already looked at
+        self.last_good = (0, None)  # (step, loss) of the last finite read
+        self.saved_epoch: Optional[int] = None
+
+    def check_logged(self) -> None:
+        logged = self.history.logged
+        while self.checked < len(logged):
+            step, value = logged[self.checked]
+            self.checked += 1
+            self._check(value, step)
+
+    def check_epoch(self, train_loss: float, step: int) -> None:
+        self.check_logged()
+        self._check(train_loss, step, epoch_mean=True)
+
+    def _check(self, value: float, step: int, epoch_mean: bool = False) -> None:
+        if math.isfinite(value):
+            self.last_good = (step, value)
+            return
+        good_step, good_value = self.last_good
+        if step == 1:
+            where = "from the first step"
+        elif good_value is None:
+            where = f"between step 1 and step {step}"
+        else:
+            where = f"between step {good_step} (loss {good_value:.4g}) and step {step}"
+        what = "the epoch's mean training loss" if epoch_mean else "the training loss"
+        kept = (f" The best weights before it are in {self.save_best} (epoch "
+                f"{self.saved_epoch + 1})." if self.saved_epoch is not None else "")
+        err = FloatingPointError(
+            f"{what} is {value} {where}: training stopped. Lower the learning rate "
+            f"(max_lr={self.max_lr:g}; try lr_find), clip gradients (clip=1.0), or check the "
+            f"inputs and the loss function.{kept} The History so far is on this error's "
+            f"`.history`.")
+        err.history = self.history
+        raise err
+
+
+def check_count(arrived: float, expected: int, name: str) -> None:
+    """Evaluation saw every sample once (the input pipeline cannot quietly lose some)."""
+    if round(arrived) != expected:
+        raise RuntimeError(f"{name}: {round(arrived)} of its {expected} samples arrived; the "
+                           f"metrics would be wrong")
+
+
+def check_model_device(model, device, who: str) -> None:
+    """The model sits where the batches arrive: say so before torch's raw device error."""
+    param = next(iter(model.parameters()), None)
+    if param is not None and param.device.type != device.type:
+        raise ValueError(
+            f"{who}: the model is on {param.device} but the batches arrive on {device}: move it "
+            f"with model.to(tu.get_device()) before making the optimizer")
 
 
 def log_after_step(loss_sum, batches_done: int, step: int, history: History, table, bar) -> None:
@@ -236,14 +355,6 @@ def log_after_step(loss_sum, batches_done: int, step: int, history: History, tab
         history.logged.append((step, value))
         table.set_comment(bar, f"loss {value:.4f}")
     current().after_step(log, loss_sum)
-
-
-def check_first_loss(history: History, max_lr: float) -> None:
-    """Stop at once when the very first step's loss is not finite: nothing would train."""
-    if history.logged and history.logged[0][0] == 1 and not math.isfinite(history.logged[0][1]):
-        raise FloatingPointError(
-            f"the training loss is {history.logged[0][1]} from the first step: check the inputs, "
-            f"the loss function and the learning rate (max_lr={max_lr:g}); try lr_find")
 
 
 def evaluate(model, loader, loss_fn, metrics, batch_fn, autocast) -> list:
@@ -284,6 +395,7 @@ def predict(model, data, *, batch_size: Optional[int] = None, batch_fn: Optional
     import torch
     loader = as_loader(data, train=False, name="data", pad=True, batch_size=batch_size)
     n = len(loader.dataset)
+    check_model_device(model, get_device(), "predict")
     autocast = autocast_context(precision, get_device())
     model.eval()
     outputs = []
@@ -299,6 +411,8 @@ def predict(model, data, *, batch_size: Optional[int] = None, batch_fn: Optional
         # gather in rank order, then interleave.
         out = current().all_gather(out)
         out = out.reshape(slices, -1, *out.shape[1:]).transpose(0, 1).reshape(-1, *out.shape[1:])
+    if out.shape[0] < n:  # shapes are known without a read
+        raise RuntimeError(f"predict: {out.shape[0]} of the {n} samples arrived")
     return to_cpu(out)[:n]
 
 
@@ -307,6 +421,9 @@ def predict(model, data, *, batch_size: Optional[int] = None, batch_fn: Optional
 def as_loader(data, *, train: bool, name: str, pad: bool = False, batch_size: Optional[int] = None) -> DeviceLoader:
     """A make_loader loader for `data`, with the checks that stop a run from training nothing."""
     import torch
+    samples = data.dataset if isinstance(data, (DeviceLoader, torch.utils.data.DataLoader)) else data
+    if hasattr(samples, "__len__") and len(samples) == 0:
+        raise ValueError(f"{name} is empty: it has 0 samples")
     if isinstance(data, DeviceLoader):
         if pad and not data.pad:
             data = make_loader(data.dataset, batch_size or data.per_core_batch_size, train=False,
@@ -320,8 +437,6 @@ def as_loader(data, *, train: bool, name: str, pad: bool = False, batch_size: Op
         loader = make_loader(data, batch_size or 64, train=train, pad=pad)
     else:
         raise TypeError(f"{name} must be a Dataset, a DataLoader or a make_loader loader, got {type(data).__name__}")
-    if len(loader.dataset) == 0 or len(loader) == 0:
-        raise ValueError(f"{name} is empty: it has {len(loader.dataset)} samples")
     return loader
 
 
@@ -329,6 +444,10 @@ def split_batch(batch, batch_fn=None, need_target: bool = True):
     if batch_fn is not None:
         return batch_fn(batch)
     if isinstance(batch, (list, tuple)) and len(batch) == 2:
+        if getattr(batch[1], "dtype", None) is not None and str(batch[1].dtype) == "torch.bool":
+            raise TypeError("the batch's target is a bool tensor, which the loss cannot take on "
+                            "XLA: make labels long (for cross_entropy) or float (for BCE) in the "
+                            "dataset, or pass batch_fn=lambda b: (b[0], b[1].float())")
         return batch[0], batch[1]
     if not need_target and isinstance(batch, (list, tuple)) and len(batch) == 1:
         return batch[0], None

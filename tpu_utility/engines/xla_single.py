@@ -83,7 +83,8 @@ class XlaSingle(Engine):
         import torch_xla.distributed.parallel_loader as pl
         from ..compat import quiet_jax_probes
         quiet_jax_probes()
-        return pl.MpDeviceLoader(loader, self.device(), input_sharding=self._input_sharding())
+        return _ClosingFeed(pl.MpDeviceLoader(loader, self.device(),
+                                              input_sharding=self._input_sharding()))
 
     def _input_sharding(self):
         return None
@@ -101,6 +102,21 @@ class XlaSingle(Engine):
         # torch.zeros(device=xla) would be a graph constant, and the first step that
         # updates it a graph of its own.
         return torch.zeros(shape).to(self.device())
+
+
+class _ClosingFeed:
+    """An MpDeviceLoader whose epoch, stopped early, also stops its loading threads (and
+    so the DataLoader workers they hold), rather than leaving them blocked on a queue."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __iter__(self):
+        batches = iter(self.loader)
+        try:
+            yield from batches
+        finally:
+            batches._loader.close()
 
 
 class _GcFrozenForkProcess(mpc.ForkProcess):
