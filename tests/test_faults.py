@@ -344,8 +344,16 @@ OUTPUTS_SCRIPT = COMMON + """
         r["state"] = model.state_dict()
         return r
 
+    def find(plot):
+        model = make_model().to(tu.get_device())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return attempt(lambda: tu.lr_find(model, tu.make_loader(make_dataset(n=256), 32, num_workers=0),
+                                          opt, F.cross_entropy, num_it=30, plot=plot))
+
     if __name__ == "__main__":
-        out = {}
+        out = {"find_ro": tu.run(find, cores=1, args=(RO + "/lr_find.png",), start_method="fork")}
+        found = tu.run(find, cores=1, args=(FULL + "/lr_find.png",), start_method="fork")
+        out["find_full"] = {"plot": found["ok"].plot, "suggestion": found["ok"].suggestion}
         for name, save_best, plot in (("ro_best", RO + "/best.pt", None),
                                       ("ro_plot", None, RO + "/curves.png"),
                                       ("ro_sub", RO + "/sub/best.pt", None),
@@ -368,12 +376,15 @@ def test_unwritable_outputs_fail_before_training_and_a_full_disk_loses_nothing(t
     r = in_sandbox(tmp_path, OUTPUTS_SCRIPT.replace("sys.argv[1], sys.argv[2]",
                                                     f"{str(ro)!r}, {str(full)!r}"),
                    [("ro", str(ro)), (8, str(full))])
-    for name, argument in (("ro_best", "save_best"), ("ro_plot", "plot"), ("ro_sub", "save_best")):
+    for name, argument in (("ro_best", "save_best"), ("ro_plot", "plot"), ("ro_sub", "save_best"),
+                           ("find_ro", "plot")):
         case = r[name]
         assert case.get("error") == "OSError", case
         assert argument in case["message"] and str(ro) in case["message"]
         assert "Read-only file system" in case["message"]
-        assert not case["trained"]  # refused before the first step
+        assert not case.get("trained")  # refused before the first step
+    # The sweep's PNG does not fit on the full disk: the sweep still comes back.
+    assert r["find_full"]["plot"] is None and r["find_full"]["suggestion"] > 0
     full_case = r["full"]
     # 400 KiB of weights do not fit in 8 KiB: save_best fails each epoch, the plot at the end.
     assert "ok" in full_case, {k: v for k, v in full_case.items() if k != "state"}

@@ -45,12 +45,8 @@ def _check_int(who: str, name: str, value, low: int, high: Optional[int] = None)
 
 
 def _atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    from .files import atomic_write
+    atomic_write(path, lambda f: f.write(text.encode()), fsync=True)
 
 
 def _image_files(folder: str, extensions: Sequence[str] = IMAGE_EXTENSIONS) -> List[str]:

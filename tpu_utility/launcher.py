@@ -26,6 +26,7 @@ from . import engines
 from .children import die_with_parent
 from .devices import to_cpu
 from .environment import in_notebook, setup_tpu
+from .files import atomic_write
 
 _POLL_S = 0.5
 
@@ -286,7 +287,7 @@ def _replica_main(train_fn, args, results, outbox, engine) -> None:
             if engine.rank == 0:  # before the others leave: a result that cannot travel says so
                 path = os.path.join(outbox, "result.pt")
                 try:
-                    _write(path, lambda f: torch.save(out, f))
+                    atomic_write(path, lambda f: torch.save(out, f))
                 except Exception as e:
                     raise TypeError(
                         f"train_fn's return value ({type(out).__name__}) cannot be pickled to "
@@ -309,25 +310,13 @@ def _report_error(results, outbox, rank, e) -> None:
         pickled = b""
     path = os.path.join(outbox, f"error-{rank}-{os.getpid()}.pkl")
     try:
-        _write(path, lambda f: pickle.dump((pickled, text), f))
+        atomic_write(path, lambda f: pickle.dump((pickled, text), f))
     except Exception:
         try:
-            _write(path, lambda f: pickle.dump((b"", text), f))
+            atomic_write(path, lambda f: pickle.dump((b"", text), f))
         except OSError:  # nowhere to write: the exit code will still tell the parent
             return
     results.put((rank, "error", path))
-
-
-def _write(path: str, dump: Callable) -> None:
-    """Write a file whole or not at all: the parent only ever reads complete ones."""
-    tmp = f"{path}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            dump(f)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def _read(path: str):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import io
 import math
-import os
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -18,6 +18,7 @@ from .devices import get_device, is_master, optimizer_step, sync, to_cpu
 from .engines import current, in_run
 from .compat import runtime_started
 from .environment import in_notebook, xla_version
+from .files import atomic_write, check_writable
 from .reporting import plot_lines, xla_counts
 from .schedules import no_special_scalar, sched_exp
 from .training import as_loader, autocast_context, forward, split_batch
@@ -84,6 +85,8 @@ def lr_find(model, train_loader, opt, loss_fn: Callable, start_lr: float = 1e-7,
     if unknown:
         raise ValueError(f"unknown suggestions {sorted(unknown)}: choose from {SUGGESTIONS}")
     loader = as_loader(train_loader, train=True, name="train_loader")
+    if is_master():
+        check_writable(plot, "plot")  # before the sweep, not after it
     kwargs = dict(start_lr=start_lr, end_lr=end_lr, num_it=num_it, check_every=check_every,
                   stop_div=stop_div, beta=beta, suggest=tuple(suggest), batch_fn=batch_fn,
                   precision=precision)
@@ -108,10 +111,11 @@ def lr_find(model, train_loader, opt, loss_fn: Callable, start_lr: float = 1e-7,
     else:
         result = _sweep_in_place(model, loader, opt, loss_fn, **kwargs)
     if plot is not None and is_master():
-        with open(plot + ".tmp", "wb") as f:  # then renamed: never a half-written PNG
-            f.write(result.png)
-        os.replace(plot + ".tmp", plot)
-        result.plot = plot
+        try:
+            result.plot = atomic_write(plot, lambda f: f.write(result.png))
+        except OSError as e:  # the sweep is done: never lose it to a file
+            warnings.warn(f"lr_find: could not write plot={plot!r} ({e}); the result is "
+                          f"returned without it (result.png holds the image)", RuntimeWarning)
     return result
 
 

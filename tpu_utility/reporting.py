@@ -178,11 +178,8 @@ def plot_lines(series: dict, path: Optional[str] = None, *, title: str = "", xla
 
 def save_png(img, path: str) -> str:
     """Write a PIL image as PNG atomically (temporary name, then rename)."""
-    import os
-    tmp = f"{path}.tmp-{os.getpid()}"
-    img.save(tmp, format="PNG")
-    os.replace(tmp, path)
-    return path
+    from .files import atomic_write
+    return atomic_write(path, lambda f: img.save(f, format="PNG"))
 
 
 @dataclass

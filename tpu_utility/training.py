@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from .data import DeviceLoader, make_loader
 from .devices import get_device, is_master, optimizer_step, sync, to_cpu
 from .engines import current
+from .files import atomic_write, check_writable
 from .reporting import EpochTable, plot_lines, xla_counts
 from .schedules import check_one_cycle, no_special_scalar, one_cycle
 
@@ -82,14 +83,11 @@ def save(obj: Any, path: str) -> Optional[str]:
     obj = to_cpu(obj)
     if not is_master():
         return None
-    tmp = f"{path}.tmp-{os.getpid()}"
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         # Written through a Python file: a full disk then raises ENOSPC, where torch's own
         # writer says only "unexpected pos".
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-        os.replace(tmp, path)
+        atomic_write(path, lambda f: torch.save(obj, f))
     except (OSError, RuntimeError) as e:
         cause = e  # torch's writer may mask the OSError with its own error on the way out
         while cause is not None and not isinstance(cause, OSError):
@@ -98,29 +96,7 @@ def save(obj: Any, path: str) -> Optional[str]:
             raise
         raise OSError(cause.errno, f"could not write {path}: {cause.strerror or cause}"
                       + (" (the disk is full)" if cause.errno == errno.ENOSPC else "")) from e
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     return path
-
-
-def check_writable(path: Optional[str], argument: str) -> None:
-    """Before any work: `path`'s folder exists (made if not) and takes a new file there."""
-    if path is None or not is_master():
-        return
-    directory = os.path.dirname(os.path.abspath(path))
-    probe = os.path.join(directory, f".tpu_utility-probe-{os.getpid()}")
-    try:
-        os.makedirs(directory, exist_ok=True)
-        with open(probe, "wb"):
-            pass
-        os.remove(probe)
-    except OSError as e:
-        raise OSError(e.errno, f"{argument}={path!r} cannot be written ({e.strerror or e} in "
-                      f"{directory}): pick a writable folder, such as /kaggle/working or the "
-                      f"current directory") from None
-    if os.path.isdir(path):
-        raise IsADirectoryError(f"{argument}={path!r} is a folder: give a file name in it")
 
 
 def train_one_cycle(model, train_loader, opt, loss_fn: Callable, epochs: int,
@@ -175,8 +151,9 @@ def train_one_cycle(model, train_loader, opt, loss_fn: Callable, epochs: int,
         raise ValueError(f"monitor={monitor!r} is not computed here; choose one of {allowed} "
                          f"(valid_loss and metrics need valid_loader)")
     mom_key = momentum_key(opt) if moms else None
-    check_writable(save_best, "save_best")  # now, not after the first epoch's work
-    check_writable(plot, "plot")
+    if is_master():  # the one that writes; now, not after the first epoch's work
+        check_writable(save_best, "save_best")
+        check_writable(plot, "plot")
     batches = len(train_loader)
     steps_per_epoch = math.ceil(batches / grad_accum)
     total_steps = epochs * steps_per_epoch

@@ -82,7 +82,10 @@ class Engine:
         return {}
 
     def feed(self, loader) -> Iterable:
-        """An iterable, re-iterated every epoch, of `loader`'s batches on the device."""
+        """An iterable, re-iterated every epoch, of `loader`'s batches on the device.
+
+        `loader` is an iterable with a length (the DataLoader behind make_loader's guard,
+        which catches what loading raises wherever the feed iterates it)."""
         return _ToDevice(loader, self.device())
 
     def after_step(self, fn: Callable, *tensors) -> None:

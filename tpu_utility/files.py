@@ -1,0 +1,57 @@
+"""Files written whole or not at all, and output paths checked before any work."""
+from __future__ import annotations
+
+import os
+from typing import IO, Callable, Optional
+
+
+def atomic_write(path: str, dump: Callable[[IO[bytes]], None], *, fsync: bool = False) -> str:
+    """Call `dump(f)` on a temporary file beside `path`, then rename it to `path`.
+
+    A crash, a kill or a full disk mid-write leaves the old file (or none), never half a
+    new one, and no temporary file behind where Python still runs.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "a.bin")
+        >>> _ = atomic_write(path, lambda f: f.write(b"abc"))
+        >>> open(path, "rb").read()
+        b'abc'
+    """
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            dump(f)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+def check_writable(path: Optional[str], argument: str) -> None:
+    """Before any work: `path`'s folder exists (made if not) and takes a new file; the
+    error names the argument, the folder and the cause.
+
+    Example:
+        >>> import os, tempfile
+        >>> check_writable(os.path.join(tempfile.mkdtemp(), "new", "best.pt"), "save_best")
+    """
+    if path is None:
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    probe = os.path.join(directory, f".tpu_utility-probe-{os.getpid()}")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(probe, "wb"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise OSError(e.errno, f"{argument}={path!r} cannot be written ({e.strerror or e} in "
+                      f"{directory}): pick a writable folder, such as /kaggle/working or the "
+                      f"current directory") from None
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{argument}={path!r} is a folder: give a file name in it")
