@@ -1,4 +1,5 @@
 """tpu_utility: run a functional PyTorch CUDA script on one TPU core or on all of them."""
+from .amp import GradScaler, autocast
 from .data import make_loader
 from .devices import (get_device, is_master, master_print, optimizer_step, rank, scale_lr_bs,
                       sync, world_size)
@@ -8,11 +9,11 @@ from .images import (CachedDataset, ImageCsvDataset, ImageFolderDataset, Presize
 from .launcher import ReplicasExited, run
 from .lr_finder import lr_find
 from .reporting import report
-from .training import accuracy, predict, save, train_one_cycle
+from .training import accuracy, gather, predict, save, train_one_cycle
 
 __all__ = ["setup_tpu", "get_device", "optimizer_step", "make_loader", "scale_lr_bs", "run",
            "train_one_cycle", "lr_find", "predict", "save", "accuracy", "master_print",
            "is_master", "rank", "world_size", "sync", "report", "doctor", "presize_images",
            "PresizeReport", "ImageCsvDataset", "ImageFolderDataset", "cache_dataset",
            "open_cache", "CachedDataset", "show_batch", "normalize", "denormalize",
-           "ReplicasExited"]
+           "ReplicasExited", "autocast", "GradScaler", "gather"]

@@ -381,16 +381,48 @@ def predict(model, data, *, batch_size: Optional[int] = None, batch_fn: Optional
             inputs, _target = split_batch(batch, batch_fn, need_target=False)
             with autocast:
                 outputs.append(forward(model, inputs).detach())
-    out = torch.cat(outputs)
-    slices, _ = current().shard()
+    return to_cpu(gather(torch.cat(outputs), n, who="predict"))
+
+
+def gather(tensor, data, *, who: str = "gather"):
+    """Every replica's rows of `tensor`, in dataset order, without the repeats that even
+    out the replicas' shares: the whole dataset's rows, on every replica and engine.
+
+    For an evaluation loop of your own: iterate a `make_loader(ds, bs, train=False)`
+    loader, `torch.cat` what each batch gives, and pass it with the loader (or the
+    dataset's length). Under SPMD the batches hold every sample already; with one replica
+    per core each holds every W-th sample, and `gather` puts them back in order.
+
+    Example:
+        >>> import torch, tpu_utility as tu
+        >>> ds = torch.utils.data.TensorDataset(torch.arange(10.))
+        >>> loader = tu.make_loader(ds, 4, train=False, num_workers=0)
+        >>> preds = torch.cat([x * 2 for (x,) in loader])
+        >>> tu.gather(preds, loader).tolist()
+        [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0, 18.0]
+    """
+    if isinstance(data, DeviceLoader):
+        if data.shuffle or data.drop_last:
+            raise ValueError(f"{who}: the loader shuffles or drops samples, so its rows are not "
+                             f"the dataset's: make it with make_loader(..., train=False)")
+        n = len(data.dataset)
+    elif isinstance(data, int) and not isinstance(data, bool):
+        n = data
+    else:
+        raise TypeError(f"{who}: pass the make_loader(train=False) loader the rows came from, "
+                        f"or the dataset's length, got {type(data).__name__}")
+    engine = current()
+    slices, _ = engine.shard()
+    out = tensor
     if slices > 1:
         # Replica r holds dataset positions r, r + W, r + 2W, ... (the sampler's slices):
         # gather in rank order, then interleave.
-        out = current().all_gather(out)
+        out = engine.all_gather(out)
         out = out.reshape(slices, -1, *out.shape[1:]).transpose(0, 1).reshape(-1, *out.shape[1:])
     if out.shape[0] < n:  # shapes are known without a read
-        raise RuntimeError(f"predict: {out.shape[0]} of the {n} samples arrived")
-    return to_cpu(out)[:n]
+        raise RuntimeError(f"{who}: {out.shape[0]} of the {n} samples arrived (were all of "
+                           f"the loader's batches used?)")
+    return out[:n]
 
 
 # Helpers shared by the loops here and by lr_find.

@@ -125,7 +125,12 @@ class Engine:
     # Built on the collectives, the same for every engine.
 
     def optimizer_step(self, opt, **step_kwargs) -> Any:
-        """`opt.step()` with the gradients averaged over replicas.
+        """`opt.step()` with the gradients averaged over replicas (`sync_gradients`)."""
+        self.sync_gradients(opt)
+        return opt.step(**step_kwargs)
+
+    def sync_gradients(self, opt) -> None:
+        """What must happen before a step of `opt`: its gradients averaged over replicas.
 
         Before an optimizer's first step the master's values of its parameters are
         broadcast, so replicas that drew different initial weights (threads sharing one
@@ -139,7 +144,6 @@ class Engine:
                 tensors.update((id(p), p) for p in params)
                 opts.add(opt)
             self._average_gradients(opt)
-        return opt.step(**step_kwargs)
 
     def sync_module(self, model) -> None:
         """Make `model`'s parameters and buffers the master's, on every replica."""

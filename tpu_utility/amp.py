@@ -1,0 +1,115 @@
+"""Mixed precision as a swap: `tu.autocast()` and `tu.GradScaler()` for torch.cuda.amp's.
+
+The standard Kaggle AMP loop has no `opt.step()` to swap: `scaler.step(opt)` calls it.
+These two keep that loop's shape on every device:
+
+| device | `autocast()` | `GradScaler()` |
+| --- | --- | --- |
+| XLA (TPU) | bf16 | no scaling (bf16 has fp32's range), no host read; `step` is `optimizer_step` |
+| CUDA | fp16 | torch's real scaler; `step` first averages gradients over replicas |
+| CPU | off, as torch.cuda.amp is without a GPU | as on XLA |
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, ContextManager, Dict, Optional
+
+from .engines import current
+
+
+def autocast(enabled: bool = True) -> ContextManager:
+    """The swap for `torch.cuda.amp.autocast()` (or `torch.autocast("cuda")`).
+
+    bf16 on XLA and TorchTPU (TPUs have no fast fp16), fp16 on CUDA, and nothing on a
+    CPU, where the CUDA script's autocast did nothing either.
+
+    Example:
+        >>> import torch, tpu_utility as tu
+        >>> with tu.autocast():
+        ...     y = torch.nn.Linear(4, 4).to(tu.get_device())(torch.ones(2, 4, device=tu.get_device()))
+    """
+    from .training import autocast_context
+    device = current().device()
+    if not enabled or device.type == "cpu":
+        return contextlib.nullcontext()
+    return autocast_context("fp16" if device.type == "cuda" else "bf16", device)
+
+
+def GradScaler(**kwargs: Any):  # noqa: N802 (named like the class it replaces)
+    """The swap for `torch.cuda.amp.GradScaler()`: keep `scaler.scale(loss).backward()`,
+    `scaler.step(opt)` and `scaler.update()` as they are.
+
+    On CUDA it is torch's scaler (fp16 needs loss scaling), whose `step` and `unscale_`
+    first average the gradients over replicas. Elsewhere (XLA: bf16 needs no scaling) it
+    scales nothing, never reads the device, and its `step(opt)` is `tu.optimizer_step(opt)`.
+
+    Example:
+        >>> import torch, tpu_utility as tu
+        >>> w = torch.nn.Parameter(torch.ones(2, device=tu.get_device()))
+        >>> opt = torch.optim.SGD([w], lr=0.1)
+        >>> scaler = tu.GradScaler()
+        >>> scaler.scale(w.sum()).backward(); _ = scaler.step(opt); scaler.update()
+    """
+    if current().device().type == "cuda":
+        return _cuda_scaler_class()(**kwargs)
+    return NoScaler()
+
+
+class NoScaler:
+    """GradScaler's interface with a scale of 1: for bf16 (XLA) and CPU runs."""
+
+    def scale(self, outputs):
+        return outputs
+
+    def unscale_(self, optimizer) -> None:
+        pass
+
+    def step(self, optimizer, *args: Any, **kwargs: Any):
+        return current().optimizer_step(optimizer, **kwargs)
+
+    def update(self, new_scale: Optional[float] = None) -> None:
+        pass
+
+    def get_scale(self) -> float:
+        return 1.0
+
+    def is_enabled(self) -> bool:
+        return False
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        pass
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_scaler_class():
+    """torch's GradScaler, averaging gradients over replicas before it unscales them (so
+    every replica finds the same infs and skips the same steps). Built on first use:
+    importing tpu_utility imports no torch."""
+    import torch
+
+    class ReplicaGradScaler(torch.amp.GradScaler):
+        def __init__(self, **kwargs):
+            super().__init__("cuda", **kwargs)
+            self._averaged = set()  # optimizers whose gradients are averaged this step
+
+        def unscale_(self, optimizer):
+            self._average(optimizer)
+            return super().unscale_(optimizer)
+
+        def step(self, optimizer, *args, **kwargs):
+            self._average(optimizer)
+            try:
+                return super().step(optimizer, *args, **kwargs)
+            finally:
+                self._averaged.discard(id(optimizer))
+
+        def _average(self, optimizer):
+            if id(optimizer) not in self._averaged:
+                current().sync_gradients(optimizer)
+                self._averaged.add(id(optimizer))
+
+    return ReplicaGradScaler
