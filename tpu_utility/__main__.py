@@ -1,10 +1,16 @@
-"""`python -m tpu_utility doctor`: what to check when a TPU run fails."""
+"""`python -m tpu_utility doctor` (what to check when a TPU run fails) and
+`python -m tpu_utility port SCRIPT.py|NOTEBOOK.ipynb` (the swaps, written next to it)."""
 import sys
 
-from .environment import doctor
+USAGE = "usage: python -m tpu_utility doctor | port SCRIPT.py|NOTEBOOK.ipynb ..."
 
 if __name__ == "__main__":
-    if sys.argv[1:] != ["doctor"]:
-        print("usage: python -m tpu_utility doctor", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(doctor())
+    command = sys.argv[1:2]
+    if command == ["doctor"] and len(sys.argv) == 2:
+        from .environment import doctor
+        sys.exit(doctor())
+    if command == ["port"]:
+        from .port import main
+        sys.exit(main(sys.argv[2:]))
+    print(USAGE, file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,142 @@
+"""`python -m tpu_utility port`: the project's own CUDA script, an AMP Kaggle-style loop and a
+top-level notebook, each written the way such scripts are written."""
+import json
+import subprocess
+import sys
+import textwrap
+
+from conftest import ROOT, script_env
+
+AMP_SCRIPT = '''\
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def train_one_epoch(model, loader, optimizer, scheduler, scaler):
+    model.train()
+    running = 0.0
+    for step, (x, y) in enumerate(loader):
+        x, y = x.to(device), y.to(device)
+        with torch.cuda.amp.autocast():
+            loss = nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        running += loss.item()  # for the progress bar
+    scheduler.step()
+    return running / len(loader)
+
+
+def valid(model, loader, bs):
+    model.eval()
+    preds = np.zeros((len(loader.dataset), 4))
+    with torch.no_grad():
+        for i, (x, y) in enumerate(loader):
+            preds[i * bs:(i + 1) * bs] = model(x.cuda()).float().cpu().numpy()
+    return preds
+
+
+def run_training(epochs=2, bs=32):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 20, generator=g)
+    y = torch.randint(0, 4, (256,), generator=g)
+    train_loader = DataLoader(TensorDataset(x, y), batch_size=bs, shuffle=True, num_workers=0)
+    valid_loader = DataLoader(TensorDataset(x, y), batch_size=bs, shuffle=False)
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4)).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
+    scaler = torch.cuda.amp.GradScaler()
+    losses = []
+    for epoch in range(epochs):
+        losses.append(train_one_epoch(model, train_loader, optimizer, scheduler, scaler))
+        torch.save(model.state_dict(), f"model_{epoch}.pt")
+        torch.cuda.empty_cache()
+    return {"losses": losses, "preds": valid(model, valid_loader, bs).shape}
+
+
+if __name__ == "__main__":
+    print(run_training())
+'''
+
+
+def port(path, cwd):
+    return subprocess.run([sys.executable, "-m", "tpu_utility", "port", str(path)],
+                          capture_output=True, text=True, env=script_env(), cwd=cwd, timeout=120)
+
+
+def test_port_of_the_project_script_gives_the_swapped_script(tmp_path):
+    original = (ROOT / "examples" / "cuda_train.py").read_text()
+    src = tmp_path / "cuda_train.py"
+    src.write_text(original)
+    proc = port(src, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "cuda_train_tpu.py").read_text() == (ROOT / "examples" / "tpu_train.py").read_text()
+    assert src.read_text() == original  # never edits the original
+    assert "-            opt.step()" in proc.stdout and "+            tu.optimizer_step(opt)" in proc.stdout
+    assert "5 swaps made" not in proc.stdout and "4 swaps made" in proc.stdout
+
+
+def test_port_of_an_amp_loop_swaps_what_is_safe_and_lists_the_rest(tmp_path):
+    src = tmp_path / "baseline.py"
+    src.write_text(AMP_SCRIPT)
+    proc = port(src, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    ported = (tmp_path / "baseline_tpu.py").read_text()
+    for line in ('device = tu.get_device()',
+                 'with tu.autocast():',
+                 'scaler = tu.GradScaler()',
+                 'train_loader = tu.make_loader(TensorDataset(x, y), batch_size=bs, num_workers=0)',
+                 'valid_loader = tu.make_loader(TensorDataset(x, y), batch_size=bs, train=False)',
+                 'model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4)).to(tu.get_device())',
+                 'tu.save(model.state_dict(), f"model_{epoch}.pt")',
+                 'preds[i * bs:(i + 1) * bs] = model(x.to(tu.get_device())).float().cpu().numpy()',
+                 'print(tu.run(run_training, cores=8))',
+                 'import tpu_utility as tu'):
+        assert line in ported, line
+    assert "scaler.step(optimizer)" in ported  # the AMP swap keeps the loop as it was
+    assert "scheduler.step()" in ported  # a scheduler is not an optimizer
+    assert "torch.cuda.empty_cache()" not in ported
+    todo = proc.stdout.split("could not do safely:", 1)[1]
+    assert "line 6: the device is chosen at the top level" in todo
+    assert "line 20: `loss.item()` reads the device every step" in todo
+    assert "line 30: results indexed by batch size" in todo and "tu.gather" in todo
+    # The ported script runs on XLA (one core here: its valid() still indexes by batch size).
+    run = subprocess.run([sys.executable, "-c", ported.replace("cores=8", "cores=1")],
+                         capture_output=True, text=True, env=script_env(), cwd=tmp_path, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "'preds': (256, 4)" in run.stdout
+    assert sorted(p.name for p in tmp_path.glob("model_*.pt")) == ["model_0.pt", "model_1.pt"]
+
+
+NOTEBOOK_CELLS = [
+    "!pip install -q timm\n%matplotlib inline\nimport torch, torch.nn as nn",
+    "x = torch.randn(128, 8).cuda()\ny = (x.sum(1) > 0).long().cuda()\nmodel = nn.Linear(8, 2).cuda()\n"
+    "opt = torch.optim.SGD(model.parameters(), lr=0.1)",
+    "for epoch in range(3):\n    opt.zero_grad()\n    loss = nn.functional.cross_entropy(model(x), y)\n"
+    "    loss.backward()\n    opt.step()\n    print(loss.item())",
+]
+
+
+def test_port_of_a_top_level_notebook_works_cell_by_cell(tmp_path):
+    notebook = {"cells": [{"cell_type": "markdown", "metadata": {}, "source": ["# Title"]}] +
+                [{"cell_type": "code", "metadata": {}, "execution_count": None, "outputs": [],
+                  "source": textwrap.dedent(c).splitlines(keepends=True)} for c in NOTEBOOK_CELLS],
+                "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    src = tmp_path / "notebook.ipynb"
+    src.write_text(json.dumps(notebook))
+    proc = port(src, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    cells = ["".join(c["source"]) for c in json.loads((tmp_path / "notebook_tpu.ipynb").read_text())["cells"]]
+    assert cells[0] == "# Title"
+    assert cells[1].startswith("import tpu_utility as tu\n!pip install -q timm\n%matplotlib inline\n")
+    assert "x = torch.randn(128, 8).to(tu.get_device())" in cells[2]
+    assert "model = nn.Linear(8, 2).to(tu.get_device())" in cells[2]
+    assert "tu.optimizer_step(opt)" in cells[3]
+    assert "cell 4: training at the top level" in proc.stdout and "tu.run(train_fn" in proc.stdout
+    assert json.loads(src.read_text()) == notebook

@@ -1,0 +1,379 @@
+"""`python -m tpu_utility port SCRIPT.py|NOTEBOOK.ipynb`: the swaps, done for you.
+
+The standard library's `ast` finds what to change (with exact line and column spans) and
+the edits are spliced into the original text, so comments, blank lines and formatting
+stay as they were: an `ast.unparse` round trip would lose them, and a rewriting library
+would be a dependency for what a few dozen lines do. Only swaps that cannot change what
+the script computes are made; everything else is listed with its line and the fix.
+"""
+from __future__ import annotations
+
+import ast
+import difflib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+_DEVICE = "tu.get_device()"
+# Constructors whose result is an optimizer (so `name.step()` is an optimizer step, not a
+# scheduler's): torch.optim's, and the usual third-party ones.
+_OPTIMIZER = re.compile(r"(^|\.)optim\.\w+$|(^|\.)(SGD|Adam\w*|RMSprop|Adagrad|Adadelta|Adamax|"
+                        r"NAdam|RAdam|LBFGS|Lion|LAMB|Lamb|Adafactor)$")
+_NO_TPU_MEANING = {"empty_cache", "reset_peak_memory_stats", "reset_max_memory_allocated",
+                   "ipc_collect", "set_device"}
+
+
+@dataclass
+class PortResult:
+    """What `port` did: the new text, the swaps made and what it left, by line."""
+
+    text: str
+    swaps: List[Tuple[int, str]] = field(default_factory=list)
+    todo: List[Tuple[int, str]] = field(default_factory=list)
+    output: Optional[str] = None
+
+    def __str__(self) -> str:
+        lines = [f"{len(self.swaps)} swaps made"]
+        if self.todo:
+            lines.append(f"{len(self.todo)} things port could not do safely:")
+            lines += [f"  {i}. line {line}: {what}" for i, (line, what) in enumerate(self.todo, 1)]
+        return "\n".join(lines)
+
+
+def port_source(source: str, optimizers: Optional[set] = None) -> PortResult:
+    """The swaps for one piece of Python source (a script, or a notebook cell).
+
+    `optimizers`, the names bound to optimizers so far, carries over between a
+    notebook's cells (and is updated).
+
+    Example:
+        >>> print(port_source("opt = torch.optim.SGD(m.parameters(), lr=0.1)\\nopt.step()\\n").text)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        tu.optimizer_step(opt)
+        <BLANKLINE>
+    """
+    masked = _mask_magics(source)
+    tree = ast.parse(masked)
+    finder = _Finder(source.splitlines(keepends=True),
+                     optimizers if optimizers is not None else set())
+    finder.visit(tree)
+    finder.check_structure(tree)
+    return PortResult(_apply(source, finder.edits), sorted(finder.swaps), sorted(finder.todo))
+
+
+def port(path: str, *, write: bool = True) -> PortResult:
+    """Port a .py script or a .ipynb notebook; write `<name>_tpu.<ext>` next to it.
+
+    The original is never edited. A notebook is ported cell by cell (line numbers in the
+    report count from each cell's first line, as "cell N line M").
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "train.py")
+        >>> _ = open(path, "w").write("import torch\\nx = torch.ones(2).cuda()\\n")
+        >>> print(open(port(path).output).read())
+        import torch
+        import tpu_utility as tu
+        x = torch.ones(2).to(tu.get_device())
+        <BLANKLINE>
+    """
+    with open(path, encoding="utf-8") as f:
+        original = f.read()
+    base, ext = os.path.splitext(path)
+    if ext == ".ipynb":
+        result = _port_notebook(original)
+    else:
+        result = port_source(original)
+        result.text = _add_import(result.text)
+    if write:
+        result.output = f"{base}_tpu{ext}"
+        from .files import atomic_write
+        atomic_write(result.output, lambda f: f.write(result.text.encode("utf-8")))
+    return result
+
+
+def main(argv: List[str]) -> int:
+    """The command: port each file, print the diff and the list; 0, or 2 on bad use."""
+    if not argv:
+        print("usage: python -m tpu_utility port SCRIPT.py|NOTEBOOK.ipynb ...")
+        return 2
+    for path in argv:
+        if not os.path.isfile(path) or os.path.splitext(path)[1] not in (".py", ".ipynb"):
+            print(f"port: {path} is not a .py or .ipynb file")
+            return 2
+        with open(path, encoding="utf-8") as f:
+            before = f.read()
+        try:
+            result = port(path)
+        except SyntaxError as e:
+            print(f"port: {path} does not parse (line {e.lineno}: {e.msg}); nothing written")
+            return 2
+        if path.endswith(".py"):
+            print("".join(difflib.unified_diff(before.splitlines(keepends=True),
+                                               result.text.splitlines(keepends=True),
+                                               path, result.output)))
+        print(f"wrote {result.output}: {result}")
+    return 0
+
+
+# -- Finding the swaps -------------------------------------------------------------------------
+
+def _dotted(node) -> str:
+    """'torch.cuda.amp.autocast' for that attribute chain; '' if it is not one."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return ".".join(reversed(parts))
+    return ""
+
+
+def _is_cuda_string(node) -> bool:
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+        re.fullmatch(r"cuda(:\d+)?", node.value) is not None
+
+
+def _is_cuda_check(node) -> bool:
+    return isinstance(node, ast.Call) and _dotted(node.func) == "torch.cuda.is_available"
+
+
+class _Finder(ast.NodeVisitor):
+    def __init__(self, lines: List[str], optimizers: set):
+        self.lines = lines
+        self.edits: List[Tuple[int, int, int, int, str]] = []  # (line, col, end_line, end_col, new)
+        self.swaps: List[Tuple[int, str]] = []
+        self.todo: List[Tuple[int, str]] = []
+        self.optimizers = optimizers  # names bound to optimizers
+        self.depth = 0  # function nesting: device work at depth 0 runs before run() forks
+        self.replaced = set()  # spans already replaced, so nested finds do not overlap
+
+    def _replace(self, node, new: str, what: str) -> bool:
+        span = (node.lineno, node.col_offset, node.end_lineno, node.end_col_offset)
+        if any(_inside(span, done) for done in self.replaced):
+            return False
+        self.replaced.add(span)
+        self.edits.append((*span, new))
+        self.swaps.append((node.lineno, what))
+        return True
+
+    def visit_FunctionDef(self, node):
+        self.depth += 1
+        self.generic_visit(node)
+        self.depth -= 1
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def _device(self, node, what: str) -> None:
+        if self._replace(node, _DEVICE, what) and self.depth == 0:
+            self.todo.append((node.lineno, "the device is chosen at the top level, which starts the "
+                              "XLA runtime in this process: run(cores=8) then refuses; call "
+                              "tu.get_device() inside the training function instead"))
+
+    def _source(self, node) -> str:
+        return ast.get_source_segment("".join(self.lines), node)
+
+    def visit_Assign(self, node):
+        if isinstance(node.value, ast.Call) and _OPTIMIZER.search(_dotted(node.value.func)):
+            self.optimizers.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        self.generic_visit(node)
+
+    def visit_IfExp(self, node):
+        # "cuda" if torch.cuda.is_available() else "cpu"
+        if _is_cuda_check(node.test) and _is_cuda_string(node.body):
+            self._device(node, "device expression -> tu.get_device()")
+            return
+        self.generic_visit(node)
+
+    def visit_Call(self, node):
+        name = _dotted(node.func)
+        attr = node.func.attr if isinstance(node.func, ast.Attribute) else None
+        if name == "torch.device" and node.args and (
+                _is_cuda_string(node.args[0]) or isinstance(node.args[0], ast.IfExp)
+                and _is_cuda_check(node.args[0].test)):
+            self._device(node, "torch.device('cuda') -> tu.get_device()")
+        elif attr == "cuda" and not node.args and not node.keywords and name != "torch.cuda":
+            receiver = self._source(node.func.value)
+            self._replace(node, f"{receiver}.to({_DEVICE})", ".cuda() -> .to(tu.get_device())")
+        elif attr == "to" and node.args and _is_cuda_string(node.args[0]):
+            receiver = self._source(node.func.value)
+            rest = [self._source(a) for a in node.args[1:]] + [self._source(k) for k in node.keywords]
+            self._replace(node, f"{receiver}.to({', '.join([_DEVICE] + rest)})",
+                          ".to('cuda') -> .to(tu.get_device())")
+        elif attr == "step" and isinstance(node.func.value, ast.Name) and \
+                node.func.value.id in self.optimizers and not node.args and not node.keywords:
+            self._replace(node, f"tu.optimizer_step({node.func.value.id})",
+                          f"{node.func.value.id}.step() -> tu.optimizer_step({node.func.value.id})")
+        elif name in ("DataLoader", "torch.utils.data.DataLoader", "data.DataLoader"):
+            self._data_loader(node)
+        elif name == "torch.save":
+            self._replace_func(node, "tu.save", "torch.save -> tu.save (master only, one transfer)")
+        elif name in ("torch.cuda.amp.GradScaler", "GradScaler", "torch.amp.GradScaler",
+                      "amp.GradScaler"):
+            self._replace(node, "tu.GradScaler()", "GradScaler -> tu.GradScaler")
+        elif name in ("torch.cuda.amp.autocast", "autocast", "amp.autocast") or (
+                name == "torch.autocast" and node.args and _is_cuda_string(node.args[0])):
+            self._replace(node, "tu.autocast()", "autocast -> tu.autocast (bf16 on TPU)")
+        elif name == "torch.cuda.synchronize":
+            self._replace(node, "tu.sync()", "torch.cuda.synchronize() -> tu.sync()")
+        elif name.startswith("torch.cuda.") and name.split(".")[-1] in _NO_TPU_MEANING:
+            self._replace(node, "None", f"{name}() has no meaning on a TPU: removed")
+        elif attr == "item" and not node.args and self._in_loop_with_backward(node):
+            self.todo.append((node.lineno, f"`{self._source(node)}` reads the device every step "
+                              f"(a host transfer): sum on the device and read once per epoch"))
+        self.generic_visit(node)
+
+    def _replace_func(self, node, new_func: str, what: str) -> None:
+        self._replace(node.func, new_func, what)
+
+    def _data_loader(self, node) -> None:
+        keywords = {k.arg: k for k in node.keywords}
+        if "sampler" in keywords or "batch_sampler" in keywords:
+            self.todo.append((node.lineno, "DataLoader with its own sampler: make_loader shards "
+                              "with a DistributedSampler; port it by hand (tu.make_loader(dataset, "
+                              "batch_size, ...))"))
+            return
+        shuffle = keywords.get("shuffle")
+        shuffles = shuffle is not None and isinstance(shuffle.value, ast.Constant) and shuffle.value.value
+        if shuffle is not None and not isinstance(shuffle.value, ast.Constant):
+            self.todo.append((node.lineno, f"DataLoader(shuffle={self._source(shuffle.value)}): "
+                              f"pass train=True for training, train=False for evaluation"))
+            return
+        args = [self._source(a) for a in node.args]
+        kept = []
+        for k in node.keywords:
+            if k.arg == "shuffle" or (k.arg == "drop_last" and shuffles and
+                                      isinstance(k.value, ast.Constant) and k.value.value is True):
+                continue  # make_loader's train=True already shuffles and drops the short batch
+            kept.append(self._source(k))
+        if not shuffles:
+            kept.append("train=False")  # evaluation: in order, nothing dropped
+        self._replace(node, f"tu.make_loader({', '.join(args + kept)})",
+                      "DataLoader -> tu.make_loader" + ("" if shuffles else " (train=False)"))
+
+    def _in_loop_with_backward(self, node) -> bool:
+        return any(a.lineno <= node.lineno <= a.end_lineno for a in self.backward_loops)
+
+    # -- what needs a person -------------------------------------------------------------------
+
+    def check_structure(self, tree) -> None:
+        """Top-level training and batch-size indexing: moved or rewritten by hand; the call
+        of a training function under `if __name__ == "__main__":` goes through tu.run."""
+        train_fns = _training_functions(tree)
+        for stmt in tree.body:
+            if _is_main_guard(stmt):
+                loops = [n for n in ast.walk(stmt) if isinstance(n, (ast.For, ast.While))]
+                for node in ast.walk(stmt):
+                    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                            node.func.id in train_fns:
+                        if any(loop.lineno <= node.lineno <= loop.end_lineno for loop in loops):
+                            self.todo.append((node.lineno, f"{node.func.id}() is called in a loop "
+                                              f"at the top: move the loop into one function and "
+                                              f"call tu.run(that_function, cores=8) once"))
+                        else:
+                            self._run_call(node)
+            if isinstance(stmt, (ast.For, ast.While)) and _calls(stmt, "backward"):
+                self.todo.append((stmt.lineno, "training at the top level: move it into a "
+                                  "function (def train_fn(): ...) and call "
+                                  "tu.run(train_fn, cores=8); notebooks too"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign) and any(
+                    isinstance(t, ast.Subscript) and isinstance(t.slice, ast.Slice) and
+                    re.search(r"\*\s*\w*(bs|batch)", self._source(t.slice) or "", re.I)
+                    for t in node.targets):
+                self.todo.append((node.lineno, "results indexed by batch size: at cores=8 a batch "
+                                  "is not batch_size rows of the dataset in order; collect the "
+                                  "outputs and use tu.gather(outputs, loader), or tu.predict"))
+
+    def _run_call(self, node) -> None:
+        if node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
+            self.todo.append((node.lineno, f"call {node.func.id} through tu.run({node.func.id}, "
+                              f"cores=8, args=(...)): run() passes positional arguments only"))
+            return
+        args = [self._source(a) for a in node.args]
+        extra = f", args=({', '.join(args)},)" if args else ""
+        self._replace(node, f"tu.run({node.func.id}, cores=8{extra})",
+                      f"{node.func.id}() -> tu.run({node.func.id}, cores=8)")
+
+    def visit_Module(self, node):
+        self.backward_loops = [n for n in ast.walk(node) if isinstance(n, (ast.For, ast.While))
+                               and _calls(n, "backward")]
+        self.generic_visit(node)
+
+
+def _training_functions(tree) -> set:
+    """Module-level functions that call .backward(), or call (through others) one that does."""
+    functions = {s.name: s for s in tree.body if isinstance(s, ast.FunctionDef)}
+    called = {name: {n.func.id for n in ast.walk(fn) if isinstance(n, ast.Call)
+                     and isinstance(n.func, ast.Name)} for name, fn in functions.items()}
+    found = {name for name, fn in functions.items() if _calls(fn, "backward")}
+    while True:
+        more = {name for name in functions if name not in found and called[name] & found}
+        if not more:
+            return found
+        found |= more
+
+
+def _is_main_guard(stmt) -> bool:
+    return isinstance(stmt, ast.If) and isinstance(stmt.test, ast.Compare) and \
+        "__name__" in ast.dump(stmt.test) and "'__main__'" in ast.dump(stmt.test)
+
+
+def _calls(node, attr: str) -> bool:
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == attr
+               for n in ast.walk(node))
+
+
+def _inside(span, outer) -> bool:
+    return (span[0], span[1]) >= (outer[0], outer[1]) and (span[2], span[3]) <= (outer[2], outer[3])
+
+
+def _apply(source: str, edits) -> str:
+    """Splice the edits (line/col spans, 1-based lines, 0-based utf-8 byte columns) into source."""
+    lines = source.splitlines(keepends=True)
+    for line, col, end_line, end_col, new in sorted(edits, reverse=True):
+        head = lines[line - 1].encode()[:col].decode()
+        tail = lines[end_line - 1].encode()[end_col:].decode()
+        lines[line - 1:end_line] = [head + new + tail]
+    return "".join(lines)
+
+
+def _mask_magics(source: str) -> str:
+    """Notebook lines `!cmd` and `%magic` become `pass`-like comments ast can parse."""
+    return "".join(re.sub(r"^(\s*)[!%].*", r"\1pass", line) for line in source.splitlines(keepends=True))
+
+
+def _add_import(text: str) -> str:
+    """`import tpu_utility as tu` after the last top-level import, if it is used and absent."""
+    if "tu." not in text or re.search(r"^import tpu_utility as tu$", text, re.M):
+        return text
+    tree = ast.parse(_mask_magics(text))
+    imports = [s for s in tree.body if isinstance(s, (ast.Import, ast.ImportFrom))]
+    lines = text.splitlines(keepends=True)
+    at = imports[-1].end_lineno if imports else 0
+    lines.insert(at, "import tpu_utility as tu\n")
+    return "".join(lines)
+
+
+def _port_notebook(original: str) -> PortResult:
+    notebook = json.loads(original)
+    out = PortResult("")
+    first_code = None
+    optimizers: set = set()  # an optimizer made in one cell is stepped in another
+    for n, cell in enumerate(notebook.get("cells", []), 1):
+        if cell.get("cell_type") != "code":
+            continue
+        source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        result = port_source(source, optimizers)
+        first_code = n if first_code is None else first_code
+        cell["source"] = result.text.splitlines(keepends=True)
+        out.swaps += [(line, f"cell {n}: {what}") for line, what in result.swaps]
+        out.todo += [(line, f"cell {n}: {what}") for line, what in result.todo]
+    if out.swaps and first_code is not None:
+        cell = notebook["cells"][first_code - 1]
+        cell["source"] = ["import tpu_utility as tu\n"] + cell["source"]
+    out.text = json.dumps(notebook, indent=1, ensure_ascii=False) + "\n"
+    return out
