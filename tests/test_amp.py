@@ -9,7 +9,7 @@ COMMON = """
     from tpu_utility.reporting import xla_counts
     from cuda_train import make_dataset, make_model
 
-    EPOCHS, N, BATCH = 3, 512, 32
+    EPOCHS, N, BATCH = 2, 256, 32
 
     def params(model):
         return {k: v.detach().cpu().tolist() for k, v in model.state_dict().items()}
@@ -87,7 +87,7 @@ def test_amp_swap_equals_a_hand_written_bf16_xla_loop(run_script):
         assert swapped["dtype"] == "torch.bfloat16"  # autocast is on, in bf16
         assert max_diff(swapped["params"], reference) == 0.0, cores
         # No loss scale, no inf check: not one host read in any epoch.
-        assert swapped["transfers"] == [0, 0, 0], (cores, swapped["transfers"])
+        assert swapped["transfers"] == [0, 0], (cores, swapped["transfers"])
 
 
 REPLICAS_SCRIPT = COMMON + """

@@ -557,9 +557,9 @@ SPAWN_SCRIPT = """
 
     if __name__ == "__main__":
         out = {}
-        for name, fn in (("segv", segfault), ("exit", quit_silently)):
+        for name, fn, start in (("segv", segfault, "spawn"), ("exit", quit_silently, "fork")):
             try:
-                tu.run(fn, cores=1, engine="distributed", start_method="spawn", timeout=120)
+                tu.run(fn, cores=1, engine="distributed", start_method=start, timeout=120)
             except tu.ReplicasExited as e:
                 out[name] = str(e)
         print("RESULT", json.dumps(out))
