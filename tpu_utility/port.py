@@ -210,7 +210,7 @@ class _Finder(ast.NodeVisitor):
         elif name in ("DataLoader", "torch.utils.data.DataLoader", "data.DataLoader"):
             self._data_loader(node)
         elif name == "torch.save":
-            self._replace_func(node, "tu.save", "torch.save -> tu.save (master only, one transfer)")
+            self._replace(node.func, "tu.save", "torch.save -> tu.save (master only, one transfer)")
         elif name in ("torch.cuda.amp.GradScaler", "GradScaler", "torch.amp.GradScaler",
                       "amp.GradScaler"):
             self._replace(node, "tu.GradScaler()", "GradScaler -> tu.GradScaler")
@@ -225,9 +225,6 @@ class _Finder(ast.NodeVisitor):
             self.todo.append((node.lineno, f"`{self._source(node)}` reads the device every step "
                               f"(a host transfer): sum on the device and read once per epoch"))
         self.generic_visit(node)
-
-    def _replace_func(self, node, new_func: str, what: str) -> None:
-        self._replace(node.func, new_func, what)
 
     def _data_loader(self, node) -> None:
         keywords = {k.arg: k for k in node.keywords}
