@@ -1,5 +1,6 @@
 """tpu_utility: run a functional PyTorch CUDA script on one TPU core or on all of them."""
 from .amp import GradScaler, autocast
+from .checkpoint import Preempted, load_state, save_state
 from .data import make_loader
 from .devices import (get_device, is_master, master_print, optimizer_step, rank, scale_lr_bs,
                       sync, world_size)
@@ -16,4 +17,5 @@ __all__ = ["setup_tpu", "get_device", "optimizer_step", "make_loader", "scale_lr
            "is_master", "rank", "world_size", "sync", "report", "doctor", "presize_images",
            "PresizeReport", "ImageCsvDataset", "ImageFolderDataset", "cache_dataset",
            "open_cache", "CachedDataset", "show_batch", "normalize", "denormalize",
-           "ReplicasExited", "autocast", "GradScaler", "gather"]
+           "ReplicasExited", "autocast", "GradScaler", "gather", "save_state", "load_state",
+           "Preempted"]

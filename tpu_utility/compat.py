@@ -28,6 +28,19 @@ def cpu_copies(tensors: List) -> List:
     return torch_xla._XLAC._xla_get_cpu_tensors(tensors)
 
 
+def cut_before_next_batch() -> None:
+    """Cut the graph now, in place of the cut MpDeviceLoader makes before its next batch.
+
+    Every cut advances the device's random seed, so an extra one would put a run on
+    another random stream; the loader skips its own cut when the profiler's flag says a
+    step was just marked (torch_xla 2.8 and 2.9: parallel_loader.PerDeviceLoader.next).
+    """
+    import torch_xla
+    import torch_xla.debug.profiler as xp
+    torch_xla.sync()
+    xp.set_tracer_marked_step(True)
+
+
 def init_one_device() -> None:
     """Claim one device for this process (one chip of a TPU host, not all of them)."""
     from torch_xla._internal import pjrt

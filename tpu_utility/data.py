@@ -1,7 +1,9 @@
 """Data: the swap for `DataLoader(...)` that shards, reshuffles and feeds the device."""
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import threading
 import warnings
 import weakref
@@ -23,6 +25,12 @@ class DeviceLoader:
     An epoch either delivers all `len(loader)` batches or raises: a sample that fails to
     load raises its own exception (noting the dataset index) in the training code, even
     where torch_xla loads batches in a thread that would otherwise end the epoch quietly.
+
+    Loading is reproducible: while sample i of epoch e loads, Python's, numpy's and torch's
+    CPU random generators are seeded from (seed, e, i), in a DataLoader worker or not, so
+    augmentations do not depend on the worker count, on prefetching, or on where a resumed
+    epoch starts. `state_dict()` / `load_state_dict()` carry the epoch and the batches of
+    it already consumed (what `save_state` and `train_one_cycle(checkpoint=)` keep).
     """
 
     def __init__(self, dataset, batch_size: int, shuffle: bool, drop_last: bool,
@@ -71,6 +79,25 @@ class DeviceLoader:
     def __len__(self) -> int:
         return len(self.loader)
 
+    def state_dict(self) -> dict:
+        """The calling replica's place: the epoch in progress (or next) and the batches of
+        it already yielded."""
+        state = self._replica()
+        if state.position is None or state.position >= len(state.loader):
+            return {"epoch": state.epoch, "position": 0}
+        return {"epoch": state.epoch - 1, "position": state.position}
+
+    def load_state_dict(self, place: dict) -> None:
+        """Resume at `place`: the next iteration is epoch `place["epoch"]`, starting after
+        its first `place["position"]` batches, which are not loaded."""
+        state = self._replica()
+        epoch, position = int(place["epoch"]), int(place["position"])
+        if not 0 <= position < len(state.loader):
+            raise ValueError(f"load_state_dict: position {position} is not a batch of this "
+                             f"loader's {len(state.loader)}")
+        state.epoch, state.position = epoch, None
+        state.loader.sampler.resume = (epoch, position * state.loader.batch_size, position)
+
     def _replica(self) -> "_ReplicaState":
         engine = current()
         with self._lock:
@@ -80,6 +107,7 @@ class DeviceLoader:
         return state
 
     def _build(self, engine):
+        import torch
         from torch.utils.data import DataLoader, DistributedSampler
         replicas, rank = engine.shard()
         per_step = engine.per_step_batch(self.per_core_batch_size)
@@ -88,10 +116,11 @@ class DeviceLoader:
             raise ValueError("make_loader: the dataset is empty (0 samples)")
         if self.pad:  # a whole number of full global batches: static shapes, no padding by the sampler
             dataset = PaddedDataset(dataset, self.per_core_batch_size * engine.world_size)
-        dataset = _Loading(dataset, len(self.dataset), self.skip_errors)
+        dataset = _Loading(dataset, len(self.dataset), self.skip_errors, self.seed)
         # One sampler for every engine, so all see the same permutation (seed + epoch).
-        sampler = DistributedSampler(dataset, num_replicas=replicas, rank=rank,
-                                     shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last)
+        sampler = _Sampler(DistributedSampler(dataset, num_replicas=replicas, rank=rank,
+                                              shuffle=self.shuffle, seed=self.seed,
+                                              drop_last=self.drop_last))
         workers = self.num_workers
         if workers is None:
             workers = default_workers(engine.local_replicas)
@@ -100,6 +129,11 @@ class DeviceLoader:
         kwargs = {**engine.loader_options(workers), **self.loader_kwargs}
         if self.skip_errors:
             kwargs["collate_fn"] = _SkipCollate(kwargs.get("collate_fn"))
+        if workers > 0:
+            kwargs["worker_init_fn"] = _WorkerInit(kwargs.get("worker_init_fn"))
+        # Its own generator: starting an epoch draws a seed, and that must not come from
+        # the global RNG, whose state a checkpoint restores mid-epoch.
+        kwargs.setdefault("generator", torch.Generator().manual_seed(self.seed))
         loader = DataLoader(dataset, batch_size=per_step, sampler=sampler,
                             drop_last=self.drop_last, num_workers=workers, **kwargs)
         if len(loader) == 0:
@@ -114,6 +148,7 @@ class DeviceLoader:
         state = self._replica()
         state.loader.sampler.set_epoch(state.epoch)
         state.epoch += 1
+        state.position = None
         if state.feed is None:
             # Uploads ahead and cuts the graph each step; on XLA it iterates the guard in a
             # thread of its own, whose errors would otherwise end the epoch in silence.
@@ -123,13 +158,17 @@ class DeviceLoader:
     def _checked(self, state, epoch: int) -> Iterator:
         guard = state.guard
         guard.reset()
-        expected, n = len(state.loader), 0
+        sampler = state.loader.sampler
+        n = sampler.resume[2] if sampler.resume[0] == epoch else 0  # batches skipped unloaded
+        expected = len(state.loader)
+        state.position = n
         batches = iter(state.feed)
         try:
             for batch in batches:
                 if guard.error is not None:  # do not train on the batches prefetched before it
                     break
                 n += 1
+                state.position = n
                 yield batch
         finally:  # stopped early (or failed): the feed's threads and workers stop too
             close = getattr(batches, "close", None)
@@ -156,7 +195,8 @@ class _ReplicaState:
 
     def __init__(self, engine, loader):
         self.engine, self.loader = engine, loader
-        self.epoch = 0
+        self.epoch = 0  # the next epoch
+        self.position: Optional[int] = None  # batches of the epoch in progress yielded so far
         self.feed = None
         self.guard = _Guard(loader)
 
@@ -187,19 +227,70 @@ class _Guard:
             self.error = e
 
 
+class _WorkerInit:
+    """A DataLoader worker outlives a SIGTERM sent to the whole process group (a VM
+    shutting down, `timeout`) by _TERM_GRACE_S, so its replica can reach the next step and
+    write its final checkpoint; it still goes with its replica, by torch's own watchdog."""
+
+    _TERM_GRACE_S = 60.0
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, worker_id: int) -> None:
+        import signal
+        signal.signal(signal.SIGTERM, _exit_later)
+        if self.fn is not None:
+            self.fn(worker_id)
+
+
+def _exit_later(signum, frame) -> None:
+    timer = threading.Timer(_WorkerInit._TERM_GRACE_S, os._exit, (128 + signum,))
+    timer.daemon = True
+    timer.start()
+
+
+class _Sampler:
+    """A DistributedSampler's indices as (epoch, index), so a sample's loading can be
+    seeded by both; a resumed epoch starts after the samples already consumed."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+        self.resume = (-1, 0, 0)  # (epoch, samples to skip, batches they make)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self):
+        epoch = self.sampler.epoch
+        indices = list(self.sampler)
+        if self.resume[0] == epoch:
+            indices = indices[self.resume[1]:]
+        return iter([(epoch, i) for i in indices])
+
+
 class _Loading:
-    """The dataset as the DataLoader reads it: a failing sample's exception notes its
-    index; with `skip` the next sample that loads takes its place (static shapes)."""
+    """The dataset as the DataLoader reads it: each sample loads under random generators
+    seeded by (seed, epoch, index); a failing sample's exception notes its index; with
+    `skip` the next sample that loads takes its place (static shapes)."""
 
     MAX_TRIES = 64
 
-    def __init__(self, dataset, real_len: int, skip: bool):
-        self.dataset, self.real_len, self.skip = dataset, real_len, skip
+    def __init__(self, dataset, real_len: int, skip: bool, seed: int = 0):
+        self.dataset, self.real_len, self.skip, self.seed = dataset, real_len, skip, seed
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, i: int):
+    def __getitem__(self, key):
+        epoch, i = key if isinstance(key, tuple) else (0, key)
+        with _seeded(((self.seed * 1_000_003 + epoch) * 1_000_003 + i) % 2 ** 63):
+            return self._load(i)
+
+    def _load(self, i: int):
         try:
             return self.dataset[i]
         except Exception as e:
@@ -217,6 +308,40 @@ class _Loading:
         _note(first, f"(loading dataset index {i % self.real_len}; skip_errors=True found no "
                      f"sample that loads among the next {min(n, self.MAX_TRIES) - 1})")
         raise first
+
+
+# Held while a sample loads outside a worker (num_workers=0: the XLA feed's thread) with the
+# global generators seeded for it, so a checkpoint never reads or sets them half way.
+RNG_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def _seeded(seed: int):
+    """Python's, numpy's and torch's CPU generators seeded with `seed` inside the block. In
+    a DataLoader worker they are the worker's own; elsewhere (num_workers=0) the caller's
+    states come back afterwards, so the training's random stream is untouched."""
+    import random
+    import torch
+    from torch.utils.data import get_worker_info
+    np = sys.modules.get("numpy")
+    restore = get_worker_info() is None
+    if restore:
+        RNG_LOCK.acquire()
+        saved = (random.getstate(), torch.default_generator.get_state(),
+                 np.random.get_state() if np is not None else None)
+    random.seed(seed)
+    torch.default_generator.manual_seed(seed)
+    if np is not None:
+        np.random.seed(seed % 2 ** 32)
+    try:
+        yield
+    finally:
+        if restore:
+            random.setstate(saved[0])
+            torch.default_generator.set_state(saved[1])
+            if np is not None:
+                np.random.set_state(saved[2])
+            RNG_LOCK.release()
 
 
 def _note(e: BaseException, text: str) -> None:

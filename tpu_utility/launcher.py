@@ -23,12 +23,14 @@ import traceback
 from typing import Any, Callable, Optional, Sequence
 
 from . import engines
+from .checkpoint import Preempted, StopBoard, on_sigterm
 from .children import die_with_parent
 from .devices import to_cpu
 from .environment import in_notebook, setup_tpu
 from .files import atomic_write
 
 _POLL_S = 0.5
+_PREEMPT_GRACE_S = 120.0  # from SIGTERM to the replicas' final checkpoint and exit
 
 
 class RemoteTraceback(Exception):
@@ -107,15 +109,17 @@ def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), 
         # killed mid-send cannot leave a half message to block on); results and tracebacks
         # go through files, written whole before they are named.
         results = ctx.Queue()
+        board = StopBoard(expected, ctx)
         outbox = tempfile.mkdtemp(prefix="tpu_utility-run-")
         procs = [ctx.Process(target=_process_main, name=f"tpu_utility-{cls.name}-{r}",
                              args=(cls, setup, cores, r, nprocs, train_fn, args, results,
-                                   start_method, outbox, os.getpid()))
+                                   start_method, outbox, os.getpid(), board))
                  for r in range(nprocs)]
         try:
             for p in procs:
                 p.start()
-            return _collect(procs, results, expected, timeout, start_method)
+            with on_sigterm(functools.partial(_on_sigterm, board)):
+                return _collect(procs, results, expected, timeout, start_method, board)
         finally:
             _stop(procs)
             shutil.rmtree(outbox, ignore_errors=True)
@@ -149,12 +153,23 @@ def pickling_problem(named: dict) -> Optional[str]:
     return None
 
 
-def _collect(procs, results, expected: int, timeout, start_method: str):
+def _on_sigterm(board, signum, frame) -> None:
+    """In the caller: replicas that checkpoint stop at an agreed step, write, and report
+    Preempted; without them, SIGTERM does what it did before run() (replicas die with us)."""
+    if board.armed:
+        board.request()
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _collect(procs, results, expected: int, timeout, start_method: str, board):
     deadline = None if timeout is None else time.monotonic() + timeout
     done, master, started = 0, None, set()
     while done < expected:
         try:
-            rank, status, path = _next_message(procs, results, deadline, timeout, done, expected)
+            rank, status, path = _next_message(procs, results, deadline, timeout, done, expected,
+                                               board)
         except ReplicasExited as e:
             raise ReplicasExited(f"{e}{_start_hint(procs, started, start_method)}") from None
         if status == "started":
@@ -213,9 +228,15 @@ def _script_unguarded() -> bool:
     return not re.search(r"""__name__\s*==\s*['"]__main__['"]|['"]__main__['"]\s*==\s*__name__""", source)
 
 
-def _next_message(procs, results, deadline, timeout, done, expected):
-    """The next replica report; raises within a second or two if a replica died silently."""
+def _next_message(procs, results, deadline, timeout, done, expected, board):
+    """The next replica report; raises within a second or two if a replica died silently,
+    and at the deadline, or `_PREEMPT_GRACE_S` after a SIGTERM."""
     while True:
+        if board.requested and board.grace_until is None:
+            board.grace_until = time.monotonic() + _PREEMPT_GRACE_S
+        if board.grace_until is not None and time.monotonic() > board.grace_until:
+            raise Preempted(f"run(): SIGTERM received, and the replicas did not checkpoint and "
+                            f"stop within {_PREEMPT_GRACE_S:g} s; they were stopped")
         try:
             return results.get(timeout=_POLL_S)
         except queue_mod.Empty:
@@ -262,7 +283,7 @@ def _stop(procs) -> None:
 
 
 def _process_main(cls, setup, cores, local_rank, nprocs, train_fn, args, results, start_method,
-                  outbox, parent_pid) -> None:
+                  outbox, parent_pid, board) -> None:
     die_with_parent(parent_pid)
     results.put((local_rank, "started", None))
     if start_method == "fork":
@@ -273,13 +294,14 @@ def _process_main(cls, setup, cores, local_rank, nprocs, train_fn, args, results
         torch.set_num_threads(1)
     try:
         cls.start(setup, local_rank, nprocs, cores,
-                  functools.partial(_replica_main, train_fn, args, results, outbox))
+                  functools.partial(_replica_main, train_fn, args, results, outbox, board))
     except BaseException as e:  # the engine failed to start (a replica's own errors are reported)
         _report_error(results, outbox, local_rank, e)
 
 
-def _replica_main(train_fn, args, results, outbox, engine) -> None:
+def _replica_main(train_fn, args, results, outbox, board, engine) -> None:
     import torch
+    engine.stop_board = board
     try:
         with engines.activate(engine):
             out = to_cpu(train_fn(*args))

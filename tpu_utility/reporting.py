@@ -53,12 +53,13 @@ class EpochTable:
         self.n_epochs = epochs
         self.printing = enabled and is_master()
         self.master = None
-        if bars_wanted(enabled):
-            self.master = bar_classes()[0](range(epochs))
+        self._bars = bars_wanted(enabled)
         self._header_done = False
 
-    def epochs(self) -> Iterable[int]:
-        return self.master if self.master is not None else range(self.n_epochs)
+    def epochs(self, start: int = 0) -> Iterable[int]:
+        if self._bars:
+            self.master = bar_classes()[0](range(start, self.n_epochs))
+        return self.master if self.master is not None else range(start, self.n_epochs)
 
     def batches(self, loader, total: int):
         if self.master is None:

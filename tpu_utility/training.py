@@ -7,15 +7,18 @@ and the schedule never feeds 0.0 or 1.0, so after the first epoch nothing compil
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import inspect
 import math
 import os
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from .checkpoint import Preempted, read as read_checkpoint, restore as restore_checkpoint
+from .checkpoint import state as checkpoint_state, stop_board, write as write_checkpoint
 from .data import DeviceLoader, make_loader
 from .devices import get_device, is_master, optimizer_step, sync, to_cpu
 from .engines import current
@@ -106,7 +109,9 @@ def train_one_cycle(model, train_loader, opt, loss_fn: Callable, epochs: int,
                     grad_accum: int = 1, clip: Optional[float] = None, precision: str = "fp32",
                     log_every: Optional[int] = 50, progress: bool = True,
                     batch_fn: Optional[Callable] = None, save_best: Optional[str] = None,
-                    monitor: str = "valid_loss", plot: Optional[str] = None) -> History:
+                    monitor: str = "valid_loss", plot: Optional[str] = None,
+                    checkpoint: Optional[str] = None, checkpoint_every: Optional[int] = None,
+                    allow_world_change: bool = False) -> History:
     """Train with fastai's one-cycle policy: lr and momentum scheduled per step.
 
     The lr rises from `max_lr/div` to `max_lr` over the first `pct_start` of the steps,
@@ -119,6 +124,15 @@ def train_one_cycle(model, train_loader, opt, loss_fn: Callable, epochs: int,
     `model(**inputs)`. `precision="bf16"` runs forward and loss under autocast.
     `save_best=path` saves the model's state_dict whenever `monitor` improves. `plot=path`
     writes a PNG of the loss and lr curves.
+
+    `checkpoint=path` saves everything the rest of the run depends on at the end of every
+    epoch (and every `checkpoint_every` optimizer steps), and a later call with the same
+    arguments and path resumes there, ending where an uninterrupted run would have. On
+    SIGTERM it checkpoints at the next step and raises `Preempted`. Once the run has
+    finished, a further call loads the final weights and returns the History without
+    training. A checkpoint of another run (epochs, steps, lr, parameter shapes, batch
+    size, cores) is refused; `allow_world_change=True` resumes on another number of cores,
+    at the nearest batch, not exactly.
 
     Example:
         >>> import torch, tpu_utility as tu
@@ -137,6 +151,10 @@ def train_one_cycle(model, train_loader, opt, loss_fn: Callable, epochs: int,
         raise ValueError(f"grad_accum must be an int >= 1, got {grad_accum!r}")
     if log_every is not None and log_every < 1:
         raise ValueError(f"log_every must be >= 1 or None, got {log_every!r}")
+    if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1
+                                         or checkpoint is None):
+        raise ValueError(f"checkpoint_every must be an int >= 1 (optimizer steps) with checkpoint=path, "
+                         f"got checkpoint_every={checkpoint_every!r}, checkpoint={checkpoint!r}")
     max_lrs = [max_lr] * len(opt.param_groups) if max_lr is not None else [g["lr"] for g in opt.param_groups]
     check_one_cycle(max_lrs, pct_start, div, div_final, moms,
                     lr_name="max_lr" if max_lr is not None else "the optimizer's lr (max_lr=None)")
@@ -154,6 +172,7 @@ def train_one_cycle(model, train_loader, opt, loss_fn: Callable, epochs: int,
     if is_master():  # the one that writes; now, not after the first epoch's work
         check_writable(save_best, "save_best")
         check_writable(plot, "plot")
+        check_writable(checkpoint, "checkpoint")
     batches = len(train_loader)
     steps_per_epoch = math.ceil(batches / grad_accum)
     total_steps = epochs * steps_per_epoch
@@ -161,89 +180,146 @@ def train_one_cycle(model, train_loader, opt, loss_fn: Callable, epochs: int,
 
     hyper = [{k: g[k] for k in ("lr", "momentum", "betas") if k in g} for g in opt.param_groups]
     history = History()
+    guard = LossGuard(history, max_lrs[0], save_best)
+    this_run = run_signature(model, train_loader, engine, epochs=epochs,
+                             steps_per_epoch=steps_per_epoch, max_lrs=max_lrs,
+                             grad_accum=grad_accum, pct_start=pct_start, div=div,
+                             div_final=div_final, moms=moms)
+    saved = read_checkpoint(checkpoint) if checkpoint is not None else None
+    at = {"epoch": 0, "batch": 0, "step": 0, "samples": 0}
+    if saved is not None:
+        ours = saved["extra"]["train_one_cycle"]
+        check_same_run(ours["run"], this_run, checkpoint, allow_world_change)
+        set_history(history, guard, ours)
+        if ours["complete"]:  # a re-run cell: the trained weights, no training
+            restore_checkpoint(saved, model, opt, None, rng=False)
+            for group, saved_hyper in zip(opt.param_groups, hyper):
+                group.update(saved_hyper)
+            return history
+        at = resume_point(ours, this_run, grad_accum)
     table = EpochTable(epochs, ["epoch", "train_loss"] + (["valid_loss"] + names if valid else [])
                        + ["lr", "time", "samples/s"], enabled=progress)
     lower_is_better = monitor.endswith("loss")
     engine.sync_module(model)  # replicas that drew different weights start from the master's
     loss_sum = engine.zeros(())
-    step = 0
-    guard = LossGuard(history, max_lrs[0], save_best)
+    step = at["step"]
+    if saved is not None:  # last, so nothing draws from the restored random states before the loop
+        own = restore_checkpoint(saved, model, opt, None)
+        train_loader.load_state_dict({"epoch": at["epoch"], "position": at["batch"]})
+        if valid is not None:  # its epoch seeds what its samples draw
+            valid.load_state_dict(own["valid"])
+        if float(own["loss_sum"]):
+            loss_sum += own["loss_sum"].to(loss_sum.device)
+    board = stop_board() if checkpoint is not None else None
+    stop = None  # the step to stop at on SIGTERM, once the replicas have agreed on one
+
+    def save_checkpoint(epoch_at: int, batch_at: int, samples_at: int, complete: bool = False):
+        if not complete:  # the final one resumes no training: no cut, no flag left behind
+            engine.cut_step()  # the graph cut the feed would make next: nothing new to compile
+        guard.check_logged()  # the cut ran the step's log closure
+        write_checkpoint(checkpoint, checkpoint_state(model, opt, train_loader, {"train_one_cycle": {
+            "run": this_run, "epoch": epoch_at, "batch": batch_at, "step": step,
+            "samples": samples_at, "complete": complete, "history": asdict(history),
+            "guard": guard.state()}}, own={  # each replica's running loss is its own
+                "loss_sum": loss_sum, "valid": valid.state_dict() if valid is not None else None},
+            cut=False))
+
+    def preempted():
+        return Preempted(f"train_one_cycle: stopped by SIGTERM after step {step} of {total_steps} "
+                         f"(epoch {epoch + 1} of {epochs}); everything is saved in "
+                         f"checkpoint={checkpoint!r}: run the same call again to resume there")
+
     try:
-        for epoch in table.epochs():
-            counts0, t0 = xla_counts(), time.perf_counter()
-            model.train()
-            samples = 0
-            bar = table.batches(train_loader, batches)
-            opt.zero_grad()
-            for i, batch in enumerate(bar):
-                guard.check_logged()  # the reads that already happen: no extra transfer
-                inputs, target = split_batch(batch, batch_fn)
-                with autocast:
-                    loss = loss_fn(forward(model, inputs), target)
-                (loss / grad_accum if grad_accum > 1 else loss).backward()
-                loss_sum += loss.detach()
-                samples += batch_len(inputs)
-                if (i + 1) % grad_accum and i + 1 != batches:
-                    continue
-                pos = step / total_steps
-                for group, (lr_at, mom_at) in zip(opt.param_groups, schedules):
-                    group["lr"] = no_special_scalar(lr_at(pos))
-                    if mom_key == "betas":
-                        group["betas"] = (no_special_scalar(mom_at(pos)), group["betas"][1])
-                    elif mom_key == "momentum":
-                        group["momentum"] = no_special_scalar(mom_at(pos))
-                history.lrs.append(opt.param_groups[0]["lr"])
-                if mom_key:  # what the optimizer now holds, not what was asked for
-                    held = opt.param_groups[0][mom_key]
-                    history.moms.append(held[0] if mom_key == "betas" else held)
-                if clip is not None:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-                optimizer_step(opt)
+        with board.arm() if board is not None else contextlib.nullcontext():
+            for epoch in table.epochs(at["epoch"]):
+                counts0, t0 = xla_counts(), time.perf_counter()
+                model.train()
+                first = at["batch"] if epoch == at["epoch"] else 0
+                samples = at["samples"] if first else 0
+                bar = table.batches(train_loader, batches - first)
                 opt.zero_grad()
-                step += 1
-                if step == 1 or (log_every and step % log_every == 0):
-                    log_after_step(loss_sum, i + 1, step, history, table, bar)
-            guard.check_logged()
-            sums = [loss_sum.reshape(1)]
-            if valid is not None:
-                sums += evaluate(model, valid, loss_fn, metrics, batch_fn, autocast)
-            # Summed over replicas in one collective; the repeats that pad the validation
-            # set are not in the sums, and its last entry counts the real samples.
-            (totals,) = engine.all_reduce_sum([torch.cat(sums)])
-            stats = [totals[0] / (batches * engine.replicas)]
-            stats += [totals[k] / totals[-1] for k in range(1, len(totals) - 1)]
-            stats = torch.stack(stats + ([totals[-1]] if valid is not None else []))
-            # Zeroed in this graph, not re-created: under SPMD a fresh upload makes the first
-            # step of each epoch a graph of its own.
-            loss_sum.zero_()
-            sync()  # one graph for everything pending, the same every epoch
-            values = to_cpu(stats).tolist()  # the epoch's one read
-            seconds = time.perf_counter() - t0
-            if valid is not None:
-                check_count(values.pop(), len(valid.dataset), "valid_loader")
-            train_loss, rest = values[0], values[1:]
-            guard.check_epoch(train_loss, step)
-            metric_values = dict(zip(names, rest[1:]))
-            e = EpochStats(epoch, train_loss, rest[0] if rest else None, metric_values,
-                           history.lrs[-1], seconds, samples * engine.replicas / seconds, 0, 0,
-                           skipped=len(train_loader.skipped))
-            now = {"train_loss": e.train_loss, "valid_loss": e.valid_loss, **metric_values}
-            if save_best is not None:
-                value = now[monitor]  # reduced over replicas: every replica decides alike
-                better = history.best is None or (value < history.best if lower_is_better else value > history.best)
-                if better and math.isfinite(value):
-                    e.saved = save_or_warn(model.state_dict(), save_best, "save_best")
-                    if e.saved:
-                        history.best, guard.saved_epoch = value, epoch
-            counts1 = xla_counts()
-            e.compiles = counts1["compiles"] - counts0["compiles"]
-            e.transfers = counts1["transfers"] - counts0["transfers"]
-            history.epochs.append(e)
-            table.row([epoch + 1, train_loss] + ([e.valid_loss] + list(metric_values.values()) if valid else [])
-                      + [e.lr, f"{seconds:.1f}s", f"{e.samples_per_s:.0f}"])
+                for i, batch in enumerate(bar, start=first):
+                    guard.check_logged()  # the reads that already happen: no extra transfer
+                    inputs, target = split_batch(batch, batch_fn)
+                    with autocast:
+                        loss = loss_fn(forward(model, inputs), target)
+                    (loss / grad_accum if grad_accum > 1 else loss).backward()
+                    loss_sum += loss.detach()
+                    samples += batch_len(inputs)
+                    if (i + 1) % grad_accum and i + 1 != batches:
+                        continue
+                    pos = step / total_steps
+                    for group, (lr_at, mom_at) in zip(opt.param_groups, schedules):
+                        group["lr"] = no_special_scalar(lr_at(pos))
+                        if mom_key == "betas":
+                            group["betas"] = (no_special_scalar(mom_at(pos)), group["betas"][1])
+                        elif mom_key == "momentum":
+                            group["momentum"] = no_special_scalar(mom_at(pos))
+                    history.lrs.append(opt.param_groups[0]["lr"])
+                    if mom_key:  # what the optimizer now holds, not what was asked for
+                        held = opt.param_groups[0][mom_key]
+                        history.moms.append(held[0] if mom_key == "betas" else held)
+                    if clip is not None:
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                    optimizer_step(opt)
+                    opt.zero_grad()
+                    step += 1
+                    if step == 1 or (log_every and step % log_every == 0):
+                        log_after_step(loss_sum, i + 1, step, history, table, bar)
+                    if board is None:
+                        continue
+                    stop = board.stop_step(engine.rank, step)
+                    if i + 1 < batches and (stop == step or (checkpoint_every and step % checkpoint_every == 0)):
+                        # At a step boundary: gradients are stepped, so the accumulation
+                        # phase is 0. The epoch's last step is saved at its end.
+                        save_checkpoint(epoch, i + 1, samples)
+                        if stop == step:
+                            raise preempted()
+                guard.check_logged()
+                sums = [loss_sum.reshape(1)]
+                if valid is not None:
+                    sums += evaluate(model, valid, loss_fn, metrics, batch_fn, autocast)
+                # Summed over replicas in one collective; the repeats that pad the validation
+                # set are not in the sums, and its last entry counts the real samples.
+                (totals,) = engine.all_reduce_sum([torch.cat(sums)])
+                stats = [totals[0] / (batches * engine.replicas)]
+                stats += [totals[k] / totals[-1] for k in range(1, len(totals) - 1)]
+                stats = torch.stack(stats + ([totals[-1]] if valid is not None else []))
+                # Zeroed in this graph, not re-created: under SPMD a fresh upload makes the first
+                # step of each epoch a graph of its own.
+                loss_sum.zero_()
+                sync()  # one graph for everything pending, the same every epoch
+                values = to_cpu(stats).tolist()  # the epoch's one read
+                seconds = time.perf_counter() - t0
+                if valid is not None:
+                    check_count(values.pop(), len(valid.dataset), "valid_loader")
+                train_loss, rest = values[0], values[1:]
+                guard.check_epoch(train_loss, step)
+                metric_values = dict(zip(names, rest[1:]))
+                e = EpochStats(epoch, train_loss, rest[0] if rest else None, metric_values,
+                               history.lrs[-1], seconds, samples * engine.replicas / seconds, 0, 0,
+                               skipped=len(train_loader.skipped))
+                now = {"train_loss": e.train_loss, "valid_loss": e.valid_loss, **metric_values}
+                if save_best is not None:
+                    value = now[monitor]  # reduced over replicas: every replica decides alike
+                    better = history.best is None or (value < history.best if lower_is_better else value > history.best)
+                    if better and math.isfinite(value):
+                        e.saved = save_or_warn(model.state_dict(), save_best, "save_best")
+                        if e.saved:
+                            history.best, guard.saved_epoch = value, epoch
+                counts1 = xla_counts()
+                e.compiles = counts1["compiles"] - counts0["compiles"]
+                e.transfers = counts1["transfers"] - counts0["transfers"]
+                history.epochs.append(e)
+                table.row([epoch + 1, train_loss] + ([e.valid_loss] + list(metric_values.values()) if valid else [])
+                          + [e.lr, f"{seconds:.1f}s", f"{e.samples_per_s:.0f}"])
+                if board is not None:  # after the epoch's counts: its transfer is not in them
+                    save_checkpoint(epoch + 1, 0, 0, complete=epoch + 1 == epochs)
+                    if stop is not None and step >= stop and epoch + 1 < epochs:
+                        raise preempted()
     finally:  # the schedule leaves the optimizer as it found it: a second call starts afresh
-        for group, saved in zip(opt.param_groups, hyper):
-            group.update(saved)
+        for group, saved_hyper in zip(opt.param_groups, hyper):
+            group.update(saved_hyper)
     if plot is not None and is_master():
         try:
             history.plot = plot_history(history, plot)
@@ -251,6 +327,63 @@ def train_one_cycle(model, train_loader, opt, loss_fn: Callable, epochs: int,
             warnings.warn(f"train_one_cycle: could not write plot={plot!r} ({e}); the History "
                           f"is returned without it", RuntimeWarning)
     return history
+
+
+def run_signature(model, loader, engine, **arguments) -> Dict[str, Any]:
+    """What a checkpoint must share with the call that resumes it."""
+    return {"epochs": arguments["epochs"], "steps per epoch": arguments["steps_per_epoch"],
+            "max_lr": list(arguments["max_lrs"]), "batch size": loader.per_core_batch_size,
+            "cores": engine.world_size, "grad_accum": arguments["grad_accum"],
+            "schedule": [arguments["pct_start"], arguments["div"], arguments["div_final"],
+                         list(arguments["moms"]) if arguments["moms"] else None],
+            "parameter shapes": {name: list(p.shape) for name, p in model.named_parameters()}}
+
+
+def check_same_run(saved: Dict[str, Any], here: Dict[str, Any], path: str,
+                   allow_world_change: bool) -> None:
+    """Refuse, before any work, a checkpoint that another run wrote; name what differs."""
+    world_changed = saved["cores"] != here["cores"]
+    diffs = []
+    for key, value in here.items():
+        if key in ("cores", "steps per epoch") and world_changed and allow_world_change:
+            continue
+        if saved.get(key) == value:
+            continue
+        if key == "parameter shapes":
+            names = sorted(set(value) | set(saved[key]))
+            bad = [f"{n} {value.get(n)} here, {saved[key].get(n)} there" for n in names
+                   if value.get(n) != saved[key].get(n)]
+            diffs.append(f"model parameter shapes ({'; '.join(bad[:3])}{'; ...' if len(bad) > 3 else ''})")
+        else:
+            diffs.append(f"{key} {value} here, {saved.get(key)} in the checkpoint")
+    if diffs:
+        hint = (" (allow_world_change=True resumes on another number of cores, not exactly)"
+                if world_changed and not allow_world_change else "")
+        raise ValueError(f"checkpoint={path!r} was written by a different run: {'; '.join(diffs)}. "
+                         f"Resume it with the same arguments{hint}, or pass another checkpoint "
+                         f"path (or delete this one) to start afresh.")
+
+
+def resume_point(saved: Dict[str, Any], here: Dict[str, Any], grad_accum: int) -> Dict[str, Any]:
+    """Where the loop picks up: the saved epoch, batch and step; on another number of cores
+    (allow_world_change), the batch that has consumed about as many samples."""
+    at = {k: saved[k] for k in ("epoch", "batch", "step", "samples")}
+    old, new = saved["run"]["cores"], here["cores"]
+    if old != new:
+        at["batch"] = at["batch"] * old // new
+        at["samples"] = at["samples"] * old // new
+        at["step"] = at["epoch"] * here["steps per epoch"] + at["batch"] // grad_accum
+    return at
+
+
+def set_history(history: History, guard: "LossGuard", saved: Dict[str, Any]) -> None:
+    """The History and the loss guard as the checkpoint left them."""
+    h = saved["history"]
+    history.epochs = [EpochStats(**e) for e in h["epochs"]]
+    history.lrs, history.moms = list(h["lrs"]), list(h["moms"])
+    history.logged = [tuple(x) for x in h["logged"]]
+    history.best, history.plot = h["best"], h["plot"]
+    guard.load_state(saved["guard"])
 
 
 def save_or_warn(obj, path: str, argument: str) -> bool:
@@ -274,6 +407,14 @@ class LossGuard:
         self.checked = 0  # logged entries already looked at
         self.last_good = (0, None)  # (step, loss) of the last finite read
         self.saved_epoch: Optional[int] = None
+
+    def state(self) -> Dict[str, Any]:
+        return {"checked": self.checked, "last_good": list(self.last_good),
+                "saved_epoch": self.saved_epoch}
+
+    def load_state(self, state: Dict[str, Any]) -> None:
+        self.checked, self.saved_epoch = state["checked"], state["saved_epoch"]
+        self.last_good = tuple(state["last_good"])
 
     def check_logged(self) -> None:
         logged = self.history.logged

@@ -27,6 +27,7 @@ class Engine:
     replicas: int = 1
     rank: int = 0
     local_replicas: int = 1  # replicas on this host, which share its CPU cores
+    stop_board: Any = None  # checkpoint.StopBoard: where replicas agree on a SIGTERM stop
 
     # -- the launching side: classmethods, run in the caller; none starts a runtime ----------
 
@@ -94,6 +95,23 @@ class Engine:
 
     def sync(self) -> None:
         """Run everything pending (XLA cuts its graph here)."""
+
+    def cut_step(self) -> None:
+        """At a step boundary: run the step now, where the feed would before the next
+        batch, leaving the run on the random stream it would have had."""
+        self.sync()
+
+    def rng_state(self) -> Any:
+        """The device's own random generator state (None for the CPU: torch's covers it)."""
+        import torch
+        device = self.device()
+        return torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def set_rng_state(self, state: Any) -> None:
+        import torch
+        device = self.device()
+        if state is not None and device.type == "cuda":
+            torch.cuda.set_rng_state(state, device)
 
     def zeros(self, shape) -> "torch.Tensor":
         """Zeros on the device, as data that later steps update in place."""

@@ -97,6 +97,20 @@ class XlaSingle(Engine):
         import torch_xla
         torch_xla.sync()
 
+    def rng_state(self):
+        import torch_xla.core.xla_model as xm
+        # A host integer after a graph cut: reading it runs nothing on the device.
+        return xm.get_rng_state(self.device())
+
+    def set_rng_state(self, state) -> None:
+        import torch_xla.core.xla_model as xm
+        if state is not None:
+            xm.set_rng_state(int(state), self.device())
+
+    def cut_step(self) -> None:
+        from ..compat import cut_before_next_batch
+        cut_before_next_batch()
+
     def zeros(self, shape):
         import torch
         # torch.zeros(device=xla) would be a graph constant, and the first step that

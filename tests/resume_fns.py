@@ -1,0 +1,102 @@
+"""train_fns for the resume tests, at module level so that any start method can run them.
+
+Kills are real and land at a real point of the run: a loss function that SIGKILLs its own
+process at its k-th call (user code, as a crash or an out-of-memory kill would be). The
+data draws from Python's, numpy's and torch's generators while loading, and the model
+has dropout, so a resume that lost any random state would not end where the
+uninterrupted run does.
+"""
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tpu_utility as tu
+from tpu_utility.reporting import xla_counts
+
+N, BATCH = 256, 4  # per core: 64 steps an epoch at 1 core, 32 at 2, 8 at 8
+
+
+class Augmented(torch.utils.data.Dataset):
+    def __init__(self, n=N):
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = (self.x[:, 0] + self.x[:, 1] > 0).long()
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        jitter = torch.randn(8) * 0.1 + random.random() * 0.01 + float(np.random.rand()) * 0.01
+        return self.x[i] + jitter, self.y[i]
+
+
+class Loss:
+    """cross_entropy that kills its process at call `kill_at` on replica `rank`, or from
+    call `mark_at` on, writes `marker` and slows down (for a signal to land mid-run)."""
+
+    def __init__(self, kill_at=0, rank=0, mark_at=0, marker=None):
+        self.kill_at, self.rank, self.mark_at, self.marker = kill_at, rank, mark_at, marker
+        self.calls = 0
+
+    def __call__(self, out, y):
+        self.calls += 1
+        if self.calls == self.kill_at and tu.rank() == self.rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.mark_at and self.calls >= self.mark_at:
+            if tu.rank() == 0 and self.calls == self.mark_at:
+                open(self.marker, "w").close()
+            time.sleep(0.05)
+        return F.cross_entropy(out, y)
+
+
+def setup(workers=0):
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 2))
+    model = model.to(tu.get_device())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt, tu.make_loader(Augmented(), BATCH, num_workers=workers)
+
+
+def one_cycle(path, loss=None, epochs=2, checkpoint_every=None, workers=0, **kwargs):
+    model, opt, loader = setup(workers)
+    counts = xla_counts()
+    hist = tu.train_one_cycle(model, loader, opt, loss or Loss(), epochs, max_lr=1e-2,
+                              valid_loader=tu.make_loader(Augmented(64), 8, train=False, num_workers=0),
+                              metrics=[tu.accuracy], progress=False, log_every=5,
+                              checkpoint=path, checkpoint_every=checkpoint_every, **kwargs)
+    return {"state": model.state_dict(), "history": comparable(hist),
+            "compiles": xla_counts()["compiles"] - counts["compiles"]}
+
+
+def hand_loop(path, loss=None, epochs=2, save_every=7, workers=0):
+    """The README's resume pattern in the swapped hand-written loop."""
+    model, opt, loader = setup(workers)
+    loss = loss or Loss()
+    start = tu.load_state(path, model, opt, loader) or {"epoch": 0, "step": 0}
+    step = start["step"]
+    for epoch in range(start["epoch"], epochs):
+        for x, y in loader:
+            opt.zero_grad()
+            loss(model(x), y).backward()
+            tu.optimizer_step(opt)
+            step += 1
+            if step % save_every == 0:
+                tu.save_state(path, model, opt, loader, epoch=epoch, step=step)
+        tu.save_state(path, model, opt, loader, epoch=epoch + 1, step=step)
+    return {"state": model.state_dict()}
+
+
+def comparable(hist):
+    """The History without what a resumed run cannot share: timings, compile and transfer counts."""
+    drop = ("seconds", "samples_per_s", "compiles", "transfers")
+    return {"epochs": [{k: v for k, v in vars(e).items() if k not in drop} for e in hist.epochs],
+            "lrs": hist.lrs, "moms": hist.moms, "logged": [list(x) for x in hist.logged],
+            "best": hist.best}
