@@ -118,7 +118,8 @@ def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), 
         try:
             for p in procs:
                 p.start()
-            with on_sigterm(functools.partial(_on_sigterm, board)):
+            previous = signal.getsignal(signal.SIGTERM)
+            with on_sigterm(functools.partial(_on_sigterm, board, previous)):
                 return _collect(procs, results, expected, timeout, start_method, board)
         finally:
             _stop(procs)
@@ -153,11 +154,17 @@ def pickling_problem(named: dict) -> Optional[str]:
     return None
 
 
-def _on_sigterm(board, signum, frame) -> None:
+def _on_sigterm(board, previous, signum, frame) -> None:
     """In the caller: replicas that checkpoint stop at an agreed step, write, and report
-    Preempted; without them, SIGTERM does what it did before run() (replicas die with us)."""
+    Preempted; without them, SIGTERM does what it did before run(): the handler that was
+    in place (a notebook kernel's), or death (and the replicas die with us)."""
     if board.armed:
         board.request()
+        return
+    if callable(previous):
+        previous(signum, frame)
+        return
+    if previous == signal.SIG_IGN:
         return
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
