@@ -3,7 +3,7 @@ from .amp import GradScaler, autocast
 from .checkpoint import Preempted, load_state, save_state
 from .data import make_loader
 from .devices import (get_device, is_master, master_print, optimizer_step, rank, scale_lr_bs,
-                      sync, world_size)
+                      sync, to_cpu, world_size)
 from .environment import doctor, setup_tpu
 from .images import (CachedDataset, ImageCsvDataset, ImageFolderDataset, PresizeReport,
                      cache_dataset, denormalize, normalize, open_cache, presize_images, show_batch)
@@ -18,4 +18,4 @@ __all__ = ["setup_tpu", "get_device", "optimizer_step", "make_loader", "scale_lr
            "PresizeReport", "ImageCsvDataset", "ImageFolderDataset", "cache_dataset",
            "open_cache", "CachedDataset", "show_batch", "normalize", "denormalize",
            "ReplicasExited", "autocast", "GradScaler", "gather", "save_state", "load_state",
-           "Preempted"]
+           "Preempted", "to_cpu"]

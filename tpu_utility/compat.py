@@ -22,10 +22,37 @@ def runtime_started() -> bool:
 
 
 def cpu_copies(tensors: List) -> List:
-    """CPU copies of XLA tensors, in one batched device-to-host transfer."""
+    """CPU copies of XLA tensors, in one batched device-to-host transfer each for the
+    sharded and the other tensors, and no compile.
+
+    torch_xla reads a tensor sharded over SPMD devices by compiling a program that
+    replicates it, anew on every read (pjrt_computation_client.cc, ReplicateShardedData,
+    2.8 and 2.9): a `.cpu()` of a batch costs a compile. Its shards read as they are and
+    are put together here instead.
+    """
+    import torch
     import torch_xla
     torch_xla._XLAC._xla_sync_multi(tensors, devices=[], wait=True, sync_xla_data=False)
-    return torch_xla._XLAC._xla_get_cpu_tensors(tensors)
+    tiled = (3, 5)  # ShardingType.TILED, PARTIAL: split over devices, not replicated
+    sharded = [i for i, t in enumerate(tensors)
+               if torch_xla._XLAC._get_xla_sharding_type(t) in tiled]
+    plain = [i for i in range(len(tensors)) if i not in set(sharded)]
+    out = [None] * len(tensors)
+    if plain:
+        for i, c in zip(plain, torch_xla._XLAC._xla_get_cpu_tensors([tensors[i] for i in plain])):
+            out[i] = c
+    if sharded:
+        picked = [tensors[i] for i in sharded]
+        shards = torch_xla._XLAC._get_local_shards(picked)  # already on the CPU
+        places = torch_xla._XLAC._get_local_shard_replica_and_indices(picked)
+        for i, t, per_shard, per_place in zip(sharded, picked, shards, places):
+            whole = torch.empty(t.shape, dtype=t.dtype)
+            for (data, _device), (_replica, index) in zip(per_shard, per_place):
+                index = tuple(index)
+                # A shard of an uneven split is padded: keep the part its slice covers.
+                whole[index] = data[tuple(slice(0, s.stop - s.start) for s in index)].to(t.dtype)
+            out[i] = whole
+    return out
 
 
 def cut_before_next_batch() -> None:

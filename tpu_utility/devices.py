@@ -145,7 +145,18 @@ def scale_lr_bs(lr: float, batch_size: int, cores: Optional[int] = None,
 
 
 def to_cpu(obj: Any) -> Any:
-    """Copy every tensor in a nested structure to CPU (one batched transfer on XLA)."""
+    """Every tensor in a nested structure (dicts, lists, tuples) copied to the CPU.
+
+    On XLA it is one batched device-to-host transfer where `.cpu()` per tensor is one
+    each, and it compiles nothing for tensors split over SPMD devices, where `.cpu()` of
+    a batch compiles a program on every call.
+
+    Example:
+        >>> import torch, tpu_utility as tu
+        >>> out = tu.to_cpu({"w": torch.ones(2, device=tu.get_device()), "step": 3})
+        >>> out["w"].device.type, out["step"]
+        ('cpu', 3)
+    """
     xla = []
     map_tensors(obj, lambda t: xla.append(t) if t.device.type == "xla" else None)
     moved = {}
