@@ -105,3 +105,110 @@ def test_history_hints():
     assert hints(rep, chatty) == [h for h in hints(rep, chatty) if "host transfer every step" in h] != []
     fine = History(epochs=[epoch(0, 3, 5), epoch(1, 0, 4), epoch(2, 0, 4)], lrs=[1e-3] * 300)
     assert hints(rep, fine) == []
+
+
+KAGGLE_LOOP = """
+    import json, torch, torch.nn.functional as F, tpu_utility as tu
+
+    def data(n):
+        g = torch.Generator().manual_seed(0)
+        return torch.utils.data.TensorDataset(torch.randn(n, 8, generator=g),
+                                              torch.randint(0, 3, (n,), generator=g))
+
+    def model_and_opt():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 3).to(tu.get_device())
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def as_on_kaggle():  # a CUDA AMP loop, swapped by hand up to the optimizer
+        model, opt = model_and_opt()
+        train_dl = tu.make_loader(data(200), 4, drop_last=False, num_workers=0)
+        valid_dl = tu.make_loader(data(96), 4, train=False, num_workers=0)
+        scaler = torch.cuda.amp.GradScaler()  # <scaler>
+        for epoch in range(2):
+            for x, y in train_dl:
+                with tu.autocast():
+                    loss = F.cross_entropy(model(x), y)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                shown = loss.item()  # <item>: a progress bar's
+            labels = []
+            with torch.no_grad():
+                for x, y in valid_dl:
+                    labels.append(y.cpu())  # <cpu>
+            torch.save(model.state_dict(), "model.pt")  # <save>
+        return tu.report(verbose=False)
+
+    def fixed():
+        model, opt = model_and_opt()
+        train_dl = tu.make_loader(data(200), 4, num_workers=0)
+        valid_dl = tu.make_loader(data(96), 4, train=False, num_workers=0)
+        scaler = tu.GradScaler()
+        for epoch in range(2):
+            total = torch.zeros((), device=tu.get_device())
+            for x, y in train_dl:
+                with tu.autocast():
+                    loss = F.cross_entropy(model(x), y)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                total += loss.detach()
+            labels = []
+            with torch.no_grad():
+                for x, y in valid_dl:
+                    labels.append(y)
+            every = tu.to_cpu(tu.gather(torch.cat(labels), valid_dl))
+            assert every.tolist() == data(96).tensors[1].tolist()
+            tu.save(model.state_dict(), "model.pt")
+        return tu.report(verbose=False)
+
+    # a fast .cpu(): to_cpu reads a batch split over the 8 devices without the compile that
+    # .cpu() makes on every call, and gives the same values
+    def reads():
+        from tpu_utility.reporting import xla_counts
+        loader = tu.make_loader(data(83), 3, train=False, num_workers=0)  # 24 rows, then 11
+        out = []
+        for x, y in loader:
+            before = xla_counts()
+            mine = tu.to_cpu((x, y))
+            middle = xla_counts()
+            theirs = (x.cpu(), y.cpu())
+            after = xla_counts()
+            out.append({"equal": all(torch.equal(a, b) for a, b in zip(mine, theirs)),
+                        "mine": middle["compiles"] - before["compiles"],
+                        "theirs": after["compiles"] - middle["compiles"]})
+        return out
+
+    out = {name: tu.run(fn, cores=8, start_method="fork") for name, fn in
+           [("kaggle", as_on_kaggle), ("fixed", fixed), ("reads", reads)]}
+    print("RESULT", json.dumps({"kaggle": out["kaggle"].hints, "fixed": out["fixed"].hints,
+                                "reads": out["reads"]}))
+"""
+
+
+def test_report_names_the_costly_calls_and_their_lines(run_script, tmp_path):
+    """A Kaggle AMP loop at 8 SPMD devices: each costly pattern gets its hint, naming the
+    line that causes it; the same loop done the tpu_utility way gets none."""
+    import textwrap
+    proc = run_script(KAGGLE_LOOP)
+    source = textwrap.dedent(KAGGLE_LOOP).splitlines()
+    line = {m: f"script_0.py:{next(i for i, s in enumerate(source, 1) if f'# <{m}>' in s)}"
+            for m in ("scaler", "item", "cpu", "save")}
+    hints = proc.result["kaggle"]
+    # 200 rows at 4 x 8 a step: 6 full steps and a short one of 8 rows, 2 epochs = 14 steps;
+    # .item() twice a step (the loop's and GradScaler.step's); 96 / 32 = 3 valid batches x 2
+    by_kind = {
+        "short": [h for h in hints if "`train_dl` ends every epoch with a short batch of 8 of 32" in h],
+        "item": [h for h in hints if "a host transfer every step: 28" in h and line["item"] in h],
+        "cpu": [h for h in hints if h.startswith("6 compiles came from reading tensors split") and line["cpu"] in h],
+        "scaler": [h for h in hints if "GradScaler ran on XLA for 14 steps" in h and line["scaler"] in h],
+        "save": [h for h in hints if h.startswith("torch.save") and line["save"] in h],
+    }
+    assert all(len(found) == 1 for found in by_kind.values()), (by_kind, hints)
+    assert len(hints) == 5, hints  # nothing else: no "dynamic shapes" for the reads' compiles
+    assert proc.result["fixed"] == []
+    reads = proc.result["reads"]
+    assert len(reads) == 4 and all(r["equal"] and r["mine"] == 0 and r["theirs"] == 2 for r in reads)

@@ -301,6 +301,45 @@ class _Finder(ast.NodeVisitor):
         self.generic_visit(node)
 
 
+def costly_calls(source: str) -> List[Tuple[str, int, str]]:
+    """(kind, line, code) for the calls that cost host transfers or compiles on a TPU:
+    "item" (`.item()` in a loop), "cpu" (`.cpu()`, `.numpy()`, `.tolist()`, `.to("cpu")` in
+    a loop), "save" (`torch.save`) and "scaler" (torch's GradScaler). `report()` names
+    these lines next to the counts that show what they cost.
+
+    Example:
+        >>> costly_calls("for x, y in dl:\\n    total += loss(x, y).item()\\n")
+        [('item', 2, 'loss(x, y).item()')]
+    """
+    source = _mask_magics(source)
+    tree = ast.parse(source)
+    loops = [n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.While))]
+    found = {}  # (kind, line) -> code: the outermost call, as `x.to("cpu").numpy()`
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = _dotted(node.func)
+        attr = node.func.attr if isinstance(node.func, ast.Attribute) else None
+        in_loop = any(loop.lineno < node.lineno <= loop.end_lineno for loop in loops)
+        kind = None
+        if attr == "item" and not node.args and in_loop:
+            kind = "item"
+        elif in_loop and not node.args and attr in ("cpu", "numpy", "tolist") or \
+                in_loop and attr == "to" and node.args and isinstance(node.args[0], ast.Constant) \
+                and node.args[0].value == "cpu":
+            kind = "cpu"
+        elif name == "torch.save":
+            kind = "save"
+        elif name in ("torch.cuda.amp.GradScaler", "torch.amp.GradScaler", "GradScaler",
+                      "amp.GradScaler", "cuda.amp.GradScaler"):
+            kind = "scaler"
+        code = ast.get_source_segment(source, node) or name
+        if kind and len(code) > len(found.get((kind, node.lineno), "")):
+            found[kind, node.lineno] = code
+    return sorted(((kind, line, code) for (kind, line), code in found.items()),
+                  key=lambda f: f[1])
+
+
 def _training_functions(tree) -> set:
     """Module-level functions that call .backward(), or call (through others) one that does."""
     functions = {s.name: s for s in tree.body if isinstance(s, ast.FunctionDef)}

@@ -7,11 +7,13 @@ bar never reads the device.
 """
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .devices import is_master
+from .engines import current
 from .environment import in_notebook
 
 
@@ -192,6 +194,9 @@ class XlaReport:
     executions: int
     transfers: int
     fallbacks: Dict[str, int]  # aten:: ops that ran on the CPU, with their counts
+    item_reads: int = 0  # .item() calls (aten::_local_scalar_dense)
+    sharded_reads: int = 0  # compiles of torch_xla's program that reads a tensor split over devices
+    scaler_steps: int = 0  # steps of torch's GradScaler on XLA (xla::_amp_update_scale_)
     hints: List[str] = field(default_factory=list)
 
     def __str__(self) -> str:
@@ -219,41 +224,122 @@ def report(history=None, *, verbose: bool = True) -> XlaReport:
         True
     """
     counts = xla_counts()
-    fallbacks: Dict[str, int] = {}
+    counters: Dict[str, int] = {}
     if "torch_xla" in sys.modules:
         import torch_xla.debug.metrics as met
-        for name in met.counter_names():
-            # _local_scalar_dense is .item() itself: counted as a transfer, not an op to fix
-            if name.startswith("aten::") and name != "aten::_local_scalar_dense":
-                fallbacks[name] = met.counter_value(name)
+        counters = {name: met.counter_value(name) for name in met.counter_names()}
+    # _local_scalar_dense is .item() itself: counted as a transfer, not an op to fix
+    fallbacks = {name: n for name, n in counters.items()
+                 if name.startswith("aten::") and name != "aten::_local_scalar_dense"}
+    # Graph compiles count as UncachedCompile; the rest come from the runtime's own
+    # programs, reading a split tensor (ReplicateShardedData) or resharding one.
+    sharded_reads = counts["compiles"] - counters.get("UncachedCompile", 0) - \
+        counters.get("ReshardData", 0)
     rep = XlaReport(counts["compiles"], counts["compile_s"], counts["executions"],
-                    counts["transfers"], fallbacks)
-    rep.hints = hints(rep, history)
+                    counts["transfers"], fallbacks,
+                    item_reads=counters.get("aten::_local_scalar_dense", 0),
+                    sharded_reads=max(0, sharded_reads),
+                    scaler_steps=counters.get("xla::_amp_update_scale_", 0))
+    sites, loaders = caller_code(sys._getframe(1))
+    rep.hints = hints(rep, history, sites, loaders)
     if verbose:
         from .devices import master_print
         master_print(str(rep))
     return rep
 
 
-def hints(rep: XlaReport, history=None) -> List[str]:
-    """One-line advice for the patterns that make TPU runs slow."""
+def caller_code(frame) -> Tuple[List[Tuple[str, str, str]], List[Tuple[str, int, int]]]:
+    """What report() can see of its caller: the costly calls in its source (kind, where,
+    code), and its training loaders that end epochs with a short batch (name, rows, batch).
+
+    The source read is the calling function's and that of the module's functions it calls
+    (by name, transitively: a `train_one_epoch` helper), from linecache, which holds
+    notebook cells too. A diagnostic never fails the run: what cannot be read is left out.
+    """
+    import inspect
+    import textwrap
+    import types
+    from .data import DeviceLoader
+    from .port import costly_calls
+
+    def names(code):  # the globals a function and its inner functions refer to
+        return set(code.co_names).union(*(names(c) for c in code.co_consts
+                                          if isinstance(c, types.CodeType)))
+    module = frame.f_globals.get("__name__")
+    functions = {name: f.__code__ for name, f in frame.f_globals.items()
+                 if isinstance(f, types.FunctionType) and f.__module__ == module}
+    todo, seen = [frame.f_code], set()
+    while todo:
+        code = todo.pop()
+        if code in seen:
+            continue
+        seen.add(code)
+        todo += [functions[n] for n in names(code) if n in functions]
+    sites = []
+    for code in sorted(seen, key=lambda c: (c.co_filename, c.co_firstlineno)):
+        try:
+            lines, first = inspect.getsourcelines(code)
+            found = costly_calls(textwrap.dedent("".join(lines)))
+        except (OSError, TypeError, SyntaxError, ValueError):
+            continue
+        where = os.path.basename(code.co_filename)
+        sites += [(kind, f"{where}:{first + line - 1}", text) for kind, line, text in found]
+    loaders = []
+    for name, value in {**frame.f_globals, **frame.f_locals}.items():
+        if isinstance(value, DeviceLoader) and value.shuffle:
+            rows = value.last_batch_rows()
+            if rows:
+                loaders.append((name, rows, current().per_step_batch(value.per_core_batch_size)))
+    return sites, loaders
+
+
+def _at(sites, kind: str) -> str:
+    places = [f"`{code}` ({where})" for k, where, code in sites if k == kind][:2]
+    return f" at {', '.join(places)}" if places else ""
+
+
+def hints(rep: XlaReport, history=None, sites=(), loaders=()) -> List[str]:
+    """One-line advice for the patterns that make TPU runs slow, naming the lines of
+    `sites` ((kind, where, code) from `caller_code`) that cause them."""
     out = []
     epochs = list(getattr(history, "epochs", None) or [])
     later = [e.compiles for e in epochs[1:]]
-    if later and all(c > 0 for c in later):
+    graphs = rep.compiles - rep.sharded_reads  # the reads' compiles get their own hint
+    if later and all(c > 0 for c in later) and sum(later) > rep.sharded_reads:
         out.append("compiles kept growing after the first epoch: dynamic shapes? use "
                    "drop_last=True (make_loader's default for training) and fixed-size inputs")
-    elif not epochs and rep.compiles >= 10 and rep.compiles * 4 > rep.executions:
-        out.append(f"{rep.compiles} compiles for {rep.executions} executions: graphs keep "
+    elif not epochs and graphs >= 10 and graphs * 4 > rep.executions:
+        out.append(f"{graphs} compiles for {rep.executions} executions: graphs keep "
                    f"changing; dynamic shapes (drop_last=True), or Python ints/0.0/1.0 fed "
                    f"into the step?")
+    for name, rows, batch in loaders:
+        out.append(f"the training loader `{name}` ends every epoch with a short batch of {rows} "
+                   f"of {batch} rows (drop_last=False): XLA compiles the step again for that "
+                   f"shape; use drop_last=True (make_loader's default for training)")
     steps = len(getattr(history, "lrs", []) or [])
-    if epochs and steps and sum(e.transfers for e in epochs) >= steps:
+    per_step = (sum(e.transfers for e in epochs) >= steps) if epochs and steps else \
+        (rep.executions >= 20 and rep.transfers * 2 >= rep.executions)
+    if per_step and rep.item_reads * 2 >= rep.transfers:
+        out.append(f"a host transfer every step: {rep.item_reads} .item() reads{_at(sites, 'item')}; "
+                   f"keep sums on the device and read them once per epoch")
+    elif per_step:
         out.append("a host transfer every step: .item() or print in the loop? keep sums on "
                    "the device and read them once per epoch")
-    elif not epochs and rep.executions >= 20 and rep.transfers * 2 >= rep.executions:
-        out.append("a host transfer every step: .item() or print in the loop? keep sums on "
-                   "the device and read them once per epoch")
+    if rep.sharded_reads >= 2:
+        out.append(f"{rep.sharded_reads} compiles came from reading tensors split over the "
+                   f"devices (.cpu(), .numpy() or .item() of a batch or of its outputs under "
+                   f"SPMD{_at(sites, 'cpu')}): torch_xla compiles each such read anew; collect "
+                   f"on the device and read once, with tu.gather(torch.cat(outputs), loader) "
+                   f"and tu.to_cpu")
+    if rep.scaler_steps:
+        out.append(f"torch's GradScaler ran on XLA for {rep.scaler_steps} steps"
+                   f"{_at(sites, 'scaler')}: it reads the device every step and its step() "
+                   f"does not average gradients over replicas; use tu.GradScaler() (bf16 needs "
+                   f"no loss scaling)")
+    if _at(sites, "save") and rep.transfers - rep.item_reads >= 2:
+        out.append(f"torch.save{_at(sites, 'save')} reads XLA tensors one at a time and "
+                   f"writes a file that only loads where torch_xla is installed: use tu.save "
+                   f"(one transfer, CPU tensors, written by the master only)")
     if rep.fallbacks:
         top = max(rep.fallbacks, key=rep.fallbacks.get)
         out.append(f"{len(rep.fallbacks)} op(s) ran on the CPU ({top} most often): each is a "
