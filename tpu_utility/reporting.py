@@ -240,7 +240,10 @@ def report(history=None, *, verbose: bool = True) -> XlaReport:
                     item_reads=counters.get("aten::_local_scalar_dense", 0),
                     sharded_reads=max(0, sharded_reads),
                     scaler_steps=counters.get("xla::_amp_update_scale_", 0))
-    sites, loaders = caller_code(sys._getframe(1))
+    try:
+        sites, loaders = caller_code(sys._getframe(1))
+    except Exception:  # a diagnostic never fails the run it reports on
+        sites, loaders = [], []
     rep.hints = hints(rep, history, sites, loaders)
     if verbose:
         from .devices import master_print
@@ -254,7 +257,7 @@ def caller_code(frame) -> Tuple[List[Tuple[str, str, str]], List[Tuple[str, int,
 
     The source read is the calling function's and that of the module's functions it calls
     (by name, transitively: a `train_one_epoch` helper), from linecache, which holds
-    notebook cells too. A diagnostic never fails the run: what cannot be read is left out.
+    notebook cells too; source that cannot be read is left out.
     """
     import inspect
     import textwrap
