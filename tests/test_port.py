@@ -140,3 +140,64 @@ def test_port_of_a_top_level_notebook_works_cell_by_cell(tmp_path):
     assert "tu.optimizer_step(opt)" in cells[3]
     assert "cell 4: training at the top level" in proc.stdout and "tu.run(train_fn" in proc.stdout
     assert json.loads(src.read_text()) == notebook
+
+
+# The shape of pytorch/examples' MNIST (train() and test() before main(), the device from
+# torch.accelerator, loader options in dicts filled only with an accelerator), written here.
+TUTORIAL_SCRIPT = '''\
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+
+def train(model, loader, optimizer):
+    for x, y in loader:
+        optimizer.zero_grad()
+        loss = F.nll_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+
+
+def test(model, loader):
+    total = 0
+    with torch.no_grad():
+        for x, y in loader:
+            total += F.nll_loss(model(x), y, reduction="sum").item()
+    return total / len(loader.dataset)
+
+
+def main(ds, net):
+    use_accel = torch.accelerator.is_available()
+    if use_accel:
+        device = torch.accelerator.current_accelerator()
+    else:
+        device = torch.device("cpu")
+    train_kwargs = {"batch_size": 8}
+    if use_accel:
+        train_kwargs.update({"shuffle": True, "pin_memory": True})
+    train_loader = DataLoader(ds, **train_kwargs)
+    model = net.to(device)
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
+    train(model, train_loader, optimizer)
+    return test(model, train_loader)
+'''
+
+
+def test_port_of_a_tutorial_loop_finds_what_the_names_hide():
+    from tpu_utility.port import port_source
+    result = port_source(TUTORIAL_SCRIPT)
+    lines = TUTORIAL_SCRIPT.splitlines()
+
+    def at(text):
+        return next(i for i, line in enumerate(lines, 1) if text in line)
+    # the optimizer is a parameter of train(), bound to one only later, in main()
+    assert "        tu.optimizer_step(optimizer)\n" in result.text
+    assert "        device = tu.get_device()\n" in result.text
+    # what the loader is for is hidden in a dict: evaluation's safe choice, and a note
+    assert "    train_loader = tu.make_loader(ds, **train_kwargs, train=False)\n" in result.text
+    todo = dict(result.todo)
+    assert "cannot see whether it is for training" in todo[at("DataLoader(ds")]
+    assert "is False on a TPU host" in todo[at("use_accel = ")]
+    assert "each replica sums only its own share" in todo[at(".item()")] and "tu.gather" in todo[at(".item()")]
+    assert len(result.todo) == 3, result.todo
+    compile(result.text, "ported", "exec")

@@ -152,7 +152,7 @@ class _Finder(ast.NodeVisitor):
         self.replaced = set()  # spans already replaced, so nested finds do not overlap
 
     def _replace(self, node, new: str, what: str) -> bool:
-        span = (node.lineno, node.col_offset, node.end_lineno, node.end_col_offset)
+        span = _span(node)
         if any(_inside(span, done) for done in self.replaced):
             return False
         self.replaced.add(span)
@@ -176,11 +176,6 @@ class _Finder(ast.NodeVisitor):
     def _source(self, node) -> str:
         return ast.get_source_segment("".join(self.lines), node)
 
-    def visit_Assign(self, node):
-        if isinstance(node.value, ast.Call) and _OPTIMIZER.search(_dotted(node.value.func)):
-            self.optimizers.update(t.id for t in node.targets if isinstance(t, ast.Name))
-        self.generic_visit(node)
-
     def visit_IfExp(self, node):
         # "cuda" if torch.cuda.is_available() else "cpu"
         if _is_cuda_check(node.test) and _is_cuda_string(node.body):
@@ -193,8 +188,16 @@ class _Finder(ast.NodeVisitor):
         attr = node.func.attr if isinstance(node.func, ast.Attribute) else None
         if name == "torch.device" and node.args and (
                 _is_cuda_string(node.args[0]) or isinstance(node.args[0], ast.IfExp)
-                and _is_cuda_check(node.args[0].test)):
+                and (_is_cuda_check(node.args[0].test) or _is_cuda_string(node.args[0].body))):
             self._device(node, "torch.device('cuda') -> tu.get_device()")
+        elif name == "torch.accelerator.current_accelerator":
+            self._device(node, "torch.accelerator.current_accelerator() -> tu.get_device()")
+        elif name in ("torch.cuda.is_available", "torch.accelerator.is_available") and \
+                not any(_inside(_span(node), done) for done in self.replaced):
+            self.todo.append((node.lineno, f"{name}() is False on a TPU host: what the script does "
+                              f"only with a GPU (its device; loader options such as shuffle or "
+                              f"pin_memory) will not happen there; decide each by hand "
+                              f"(tu.get_device() for the device)"))
         elif attr == "cuda" and not node.args and not node.keywords and name != "torch.cuda":
             receiver = self._source(node.func.value)
             self._replace(node, f"{receiver}.to({_DEVICE})", ".cuda() -> .to(tu.get_device())")
@@ -224,6 +227,11 @@ class _Finder(ast.NodeVisitor):
         elif attr == "item" and not node.args and self._in_loop_with_backward(node):
             self.todo.append((node.lineno, f"`{self._source(node)}` reads the device every step "
                               f"(a host transfer): sum on the device and read once per epoch"))
+        elif attr == "item" and not node.args and _in_any(node, self.other_loops):
+            self.todo.append((node.lineno, f"`{self._source(node)}` sums an evaluation batch by "
+                              f"batch: with one replica per core (a TPU) each replica sums only "
+                              f"its own share of the data; collect the outputs and targets and "
+                              f"use tu.gather(torch.cat(outputs), loader), then read once"))
         self.generic_visit(node)
 
     def _data_loader(self, node) -> None:
@@ -232,6 +240,14 @@ class _Finder(ast.NodeVisitor):
             self.todo.append((node.lineno, "DataLoader with its own sampler: make_loader shards "
                               "with a DistributedSampler; port it by hand (tu.make_loader(dataset, "
                               "batch_size, ...))"))
+            return
+        if None in keywords:  # DataLoader(ds, **kwargs): whether it shuffles is not written here
+            args = [self._source(a) for a in node.args] + [self._source(k) for k in node.keywords]
+            self._replace(node, f"tu.make_loader({', '.join(args + ['train=False'])})",
+                          "DataLoader -> tu.make_loader (train=False)")
+            self.todo.append((node.lineno, "DataLoader(**...): port cannot see whether it is for "
+                              "training; it wrote train=False (in order, nothing dropped: right "
+                              "for evaluation); make the training loader's train=True"))
             return
         shuffle = keywords.get("shuffle")
         shuffles = shuffle is not None and isinstance(shuffle.value, ast.Constant) and shuffle.value.value
@@ -252,7 +268,7 @@ class _Finder(ast.NodeVisitor):
                       "DataLoader -> tu.make_loader" + ("" if shuffles else " (train=False)"))
 
     def _in_loop_with_backward(self, node) -> bool:
-        return any(a.lineno <= node.lineno <= a.end_lineno for a in self.backward_loops)
+        return _in_any(node, self.backward_loops)
 
     # -- what needs a person -------------------------------------------------------------------
 
@@ -296,8 +312,15 @@ class _Finder(ast.NodeVisitor):
                       f"{node.func.id}() -> tu.run({node.func.id}, cores=8)")
 
     def visit_Module(self, node):
-        self.backward_loops = [n for n in ast.walk(node) if isinstance(n, (ast.For, ast.While))
-                               and _calls(n, "backward")]
+        loops = [n for n in ast.walk(node) if isinstance(n, (ast.For, ast.While))]
+        self.backward_loops = [n for n in loops if _calls(n, "backward")]
+        self.other_loops = [n for n in loops if n not in self.backward_loops]
+        # Names bound to optimizers anywhere in the module, before any `.step()` is read:
+        # `def train(model, optimizer)` usually comes before the `optimizer = ...` in main().
+        self.optimizers.update(t.id for n in ast.walk(node) if isinstance(n, ast.Assign)
+                               and isinstance(n.value, ast.Call)
+                               and _OPTIMIZER.search(_dotted(n.value.func))
+                               for t in n.targets if isinstance(t, ast.Name))
         self.generic_visit(node)
 
 
@@ -361,6 +384,14 @@ def _is_main_guard(stmt) -> bool:
 def _calls(node, attr: str) -> bool:
     return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == attr
                for n in ast.walk(node))
+
+
+def _in_any(node, loops) -> bool:
+    return any(loop.lineno <= node.lineno <= loop.end_lineno for loop in loops)
+
+
+def _span(node) -> Tuple[int, int, int, int]:
+    return (node.lineno, node.col_offset, node.end_lineno, node.end_col_offset)
 
 
 def _inside(span, outer) -> bool:
