@@ -145,6 +145,8 @@ def main():
     p.add_argument("--out", default="demo-output")
     p.add_argument("--min-accuracy", type=float, default=0.9, help="exit 1 below this")
     p.add_argument("--lr-find-steps", type=int, default=100, help="lr_find's num_it")
+    p.add_argument("--data-only", action="store_true",
+                   help="make, presize and cache the images, then stop (before a TPU session)")
     args = p.parse_args()
     start = time.perf_counter()
     info = tu.setup_tpu()
@@ -166,6 +168,9 @@ def main():
     valid = tu.cache_dataset(torch.utils.data.Subset(full_plain, range(split, len(full_plain))),
                              os.path.join(cache_dir, "valid"), key=f"shapes-{args.images}-{args.size}-valid")
     tu.show_batch(valid, 16, os.path.join(args.out, "batch.png"), labels=full.classes)
+    if args.data_only:
+        print(f"data ready in {cache_dir}")
+        return
 
     torch.manual_seed(0)
     model = make_model()
