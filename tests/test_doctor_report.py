@@ -166,12 +166,17 @@ KAGGLE_LOOP = """
         return tu.report(verbose=False), reads()  # reads() after: its .cpu() calls compile
 
     # a fast .cpu(): to_cpu reads a batch split over the 8 devices without the compile that
-    # .cpu() makes on every call, and gives the same values
+    # .cpu() makes on every call, and gives the same values. The last batch (11 rows) does
+    # not split evenly: it is replicated, and a scatter_ over it (which aborts XLA's SPMD
+    # partitioner on uneven shards) gives the CPU's counts.
     def reads():
         from tpu_utility.reporting import xla_counts
-        loader = tu.make_loader(data(83), 3, train=False, num_workers=0)  # 24 rows, then 11
-        out = []
+        ds = data(83)
+        loader = tu.make_loader(ds, 3, train=False, num_workers=0)  # 24 rows x 3, then 11
+        out, counts = [], torch.zeros(3, device=tu.get_device())
         for x, y in loader:
+            counts += torch.zeros(y.size(0), 3, device=y.device).scatter_(1, y.unsqueeze(1), 1.0).sum(0)
+            tu.sync()
             before = xla_counts()
             mine = tu.to_cpu((x, y))
             middle = xla_counts()
@@ -180,7 +185,7 @@ KAGGLE_LOOP = """
             out.append({"equal": all(torch.equal(a, b) for a, b in zip(mine, theirs)),
                         "mine": middle["compiles"] - before["compiles"],
                         "theirs": after["compiles"] - middle["compiles"]})
-        return out
+        return out, counts.cpu().tolist() == torch.bincount(ds.tensors[1], minlength=3).float().tolist()
 
     kaggle = tu.run(as_on_kaggle, cores=8, start_method="fork")
     fixed_report, read_counts = tu.run(fixed, cores=8, start_method="fork")
@@ -210,5 +215,6 @@ def test_report_names_the_costly_calls_and_their_lines(run_script, tmp_path):
     assert all(len(found) == 1 for found in by_kind.values()), (by_kind, hints)
     assert len(hints) == 5, hints  # nothing else: no "dynamic shapes" for the reads' compiles
     assert proc.result["fixed"] == []
-    reads = proc.result["reads"]
-    assert len(reads) == 4 and all(r["equal"] and r["mine"] == 0 and r["theirs"] == 2 for r in reads)
+    reads, scatter_right = proc.result["reads"]
+    assert [(r["equal"], r["mine"], r["theirs"]) for r in reads] == [(True, 0, 2)] * 3 + [(True, 0, 0)]
+    assert scatter_right

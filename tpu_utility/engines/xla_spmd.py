@@ -79,7 +79,12 @@ class _BatchSharding:
         self._specs = {}
 
     def xla_spec(self, t):
-        if t.dim() == 0:
+        # A batch that does not split evenly (an evaluation loader's last one) is replicated:
+        # XLA's SPMD partitioner aborts the process on some ops over uneven shards (a
+        # scatter_ into a tensor sized from the batch: "Check failed:
+        # ShapeUtil::IsScalarWithElementType", torch_xla 2.8 and 2.9), and a replicated batch
+        # gives the same results, at the cost of computing that one batch on every device.
+        if t.dim() == 0 or t.shape[0] % self.mesh.size() != 0:
             return None
         if t.dim() not in self._specs:
             import torch_xla.distributed.spmd as xs
