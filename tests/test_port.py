@@ -120,6 +120,13 @@ NOTEBOOK_CELLS = [
     "opt = torch.optim.SGD(model.parameters(), lr=0.1)",
     "for epoch in range(3):\n    opt.zero_grad()\n    loss = nn.functional.cross_entropy(model(x), y)\n"
     "    loss.backward()\n    opt.step()\n    print(loss.item())",
+    # a Kaggle kernel's shape: the training function in one cell, called at the top of another
+    "def train_model(model, x, y, bs=32):\n    opt = torch.optim.Adam(model.parameters())\n"
+    "    for i in range(0, len(x), bs):\n        nn.functional.cross_entropy(model(x[i:i + bs]), y[i:i + bs]).backward()\n"
+    "        opt.step()\n    preds = torch.zeros(len(x), 2)\n    for i in range(len(x) // bs):\n"
+    "        preds[i * bs:(i + 1) * bs, :] = model(x[i * bs:(i + 1) * bs]).detach().cpu()\n    return preds",
+    "all_preds = []\nfor seed in range(2):\n    m = nn.Linear(8, 2)\n    m.cuda()\n"
+    "    all_preds.append(train_model(m, x, y))",
 ]
 
 
@@ -135,10 +142,15 @@ def test_port_of_a_top_level_notebook_works_cell_by_cell(tmp_path):
     cells = ["".join(c["source"]) for c in json.loads((tmp_path / "notebook_tpu.ipynb").read_text())["cells"]]
     assert cells[0] == "# Title"
     assert cells[1].startswith("import tpu_utility as tu\n!pip install -q timm\n%matplotlib inline\n")
-    assert "x = torch.randn(128, 8).to(tu.get_device())" in cells[2]
-    assert "model = nn.Linear(8, 2).to(tu.get_device())" in cells[2]
-    assert "tu.optimizer_step(opt)" in cells[3]
-    assert "cell 4: training at the top level" in proc.stdout and "tu.run(train_fn" in proc.stdout
+    # data made at the top stays on the CPU: the kernel never starts the XLA runtime
+    assert cells[2].startswith("x = torch.randn(128, 8)\ny = (x.sum(1) > 0).long()\nmodel = nn.Linear(8, 2)\n")
+    assert proc.stdout.count("cell 3: `.cuda()` at the top level was removed") == 3
+    assert "tu.optimizer_step(opt)" in cells[3] and "tu.optimizer_step(opt)" in cells[4]
+    assert "line 1: cell 4: training at the top level" in proc.stdout and "tu.run(train_fn" in proc.stdout
+    assert "line 8: cell 5: results indexed by batch size" in proc.stdout
+    assert "line 2: cell 6: train_model() trains at the top level" in proc.stdout
+    assert "    m\n" in cells[5] and "line 4: cell 6: `.cuda()` at the top level" in proc.stdout
+    assert "8 things port could not do safely" in proc.stdout
     assert json.loads(src.read_text()) == notebook
 
 

@@ -42,11 +42,12 @@ class PortResult:
         return "\n".join(lines)
 
 
-def port_source(source: str, optimizers: Optional[set] = None) -> PortResult:
+def port_source(source: str, optimizers: Optional[set] = None,
+                train_fns: Optional[set] = None) -> PortResult:
     """The swaps for one piece of Python source (a script, or a notebook cell).
 
-    `optimizers`, the names bound to optimizers so far, carries over between a
-    notebook's cells (and is updated).
+    `optimizers`, the names bound to optimizers so far, and `train_fns`, the functions
+    that train, carry over between a notebook's cells (and are updated).
 
     Example:
         >>> print(port_source("opt = torch.optim.SGD(m.parameters(), lr=0.1)\\nopt.step()\\n").text)
@@ -59,7 +60,7 @@ def port_source(source: str, optimizers: Optional[set] = None) -> PortResult:
     finder = _Finder(source.splitlines(keepends=True),
                      optimizers if optimizers is not None else set())
     finder.visit(tree)
-    finder.check_structure(tree)
+    finder.check_structure(tree, train_fns if train_fns is not None else set())
     return PortResult(_apply(source, finder.edits), sorted(finder.swaps), sorted(finder.todo))
 
 
@@ -198,14 +199,9 @@ class _Finder(ast.NodeVisitor):
                               f"only with a GPU (its device; loader options such as shuffle or "
                               f"pin_memory) will not happen there; decide each by hand "
                               f"(tu.get_device() for the device)"))
-        elif attr == "cuda" and not node.args and not node.keywords and name != "torch.cuda":
-            receiver = self._source(node.func.value)
-            self._replace(node, f"{receiver}.to({_DEVICE})", ".cuda() -> .to(tu.get_device())")
-        elif attr == "to" and node.args and _is_cuda_string(node.args[0]):
-            receiver = self._source(node.func.value)
-            rest = [self._source(a) for a in node.args[1:]] + [self._source(k) for k in node.keywords]
-            self._replace(node, f"{receiver}.to({', '.join([_DEVICE] + rest)})",
-                          ".to('cuda') -> .to(tu.get_device())")
+        elif attr == "cuda" and not node.args and not node.keywords and name != "torch.cuda" or \
+                attr == "to" and node.args and _is_cuda_string(node.args[0]):
+            self._to_device(node, attr)
         elif attr == "step" and isinstance(node.func.value, ast.Name) and \
                 node.func.value.id in self.optimizers and not node.args and not node.keywords:
             self._replace(node, f"tu.optimizer_step({node.func.value.id})",
@@ -233,6 +229,21 @@ class _Finder(ast.NodeVisitor):
                               f"its own share of the data; collect the outputs and targets and "
                               f"use tu.gather(torch.cat(outputs), loader), then read once"))
         self.generic_visit(node)
+
+    def _to_device(self, node, attr: str) -> None:
+        receiver = self._source(node.func.value)
+        rest = [self._source(a) for a in node.args[1:]] + [self._source(k) for k in node.keywords]
+        if self.depth > 0:
+            self._replace(node, f"{receiver}.to({', '.join([_DEVICE] + rest)})",
+                          f".{attr}() -> .to(tu.get_device())")
+        # At the top level it would start the XLA runtime in this process (and put a
+        # dataset's tensors where DataLoader workers cannot read them): stay on the CPU.
+        elif self._replace(node, f"{receiver}.to({', '.join(rest)})" if rest else receiver,
+                           f".{attr}() at the top level -> stays on the CPU"):
+            self.todo.append((node.lineno, f"`.{attr}()` at the top level was removed: tensors "
+                              f"stay on the CPU (make_loader moves each batch to the device); "
+                              f"move a model inside the training function, with "
+                              f".to(tu.get_device())"))
 
     def _data_loader(self, node) -> None:
         keywords = {k.arg: k for k in node.keywords}
@@ -272,11 +283,19 @@ class _Finder(ast.NodeVisitor):
 
     # -- what needs a person -------------------------------------------------------------------
 
-    def check_structure(self, tree) -> None:
+    def check_structure(self, tree, train_fns: set) -> None:
         """Top-level training and batch-size indexing: moved or rewritten by hand; the call
         of a training function under `if __name__ == "__main__":` goes through tu.run."""
-        train_fns = _training_functions(tree)
+        train_fns |= _training_functions(tree, train_fns)
         for stmt in tree.body:
+            if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and \
+                    not _is_main_guard(stmt) and not _calls(stmt, "backward"):
+                called = sorted({n.func.id for n in ast.walk(stmt) if isinstance(n, ast.Call)
+                                 and isinstance(n.func, ast.Name) and n.func.id in train_fns})
+                if called:
+                    self.todo.append((stmt.lineno, f"{called[0]}() trains at the top level: move "
+                                      f"this code into a function (def train_fn(): ...) and "
+                                      f"call tu.run(train_fn, cores=8); notebooks too"))
             if _is_main_guard(stmt):
                 loops = [n for n in ast.walk(stmt) if isinstance(n, (ast.For, ast.While))]
                 for node in ast.walk(stmt):
@@ -294,9 +313,10 @@ class _Finder(ast.NodeVisitor):
                                   "tu.run(train_fn, cores=8); notebooks too"))
         for node in ast.walk(tree):
             if isinstance(node, ast.Assign) and any(
-                    isinstance(t, ast.Subscript) and isinstance(t.slice, ast.Slice) and
-                    re.search(r"\*\s*\w*(bs|batch)", self._source(t.slice) or "", re.I)
-                    for t in node.targets):
+                    isinstance(part, ast.Slice) and
+                    re.search(r"\*\s*\w*(bs|batch)", self._source(part) or "", re.I)
+                    for t in node.targets if isinstance(t, ast.Subscript)
+                    for part in ast.walk(t.slice)):
                 self.todo.append((node.lineno, "results indexed by batch size: at cores=8 a batch "
                                   "is not batch_size rows of the dataset in order; collect the "
                                   "outputs and use tu.gather(outputs, loader), or tu.predict"))
@@ -363,12 +383,14 @@ def costly_calls(source: str) -> List[Tuple[str, int, str]]:
                   key=lambda f: f[1])
 
 
-def _training_functions(tree) -> set:
-    """Module-level functions that call .backward(), or call (through others) one that does."""
+def _training_functions(tree, known: frozenset = frozenset()) -> set:
+    """Module-level functions that call .backward(), or call (through others) one that does
+    (or one of `known`, from earlier notebook cells)."""
     functions = {s.name: s for s in tree.body if isinstance(s, ast.FunctionDef)}
     called = {name: {n.func.id for n in ast.walk(fn) if isinstance(n, ast.Call)
                      and isinstance(n.func, ast.Name)} for name, fn in functions.items()}
-    found = {name for name, fn in functions.items() if _calls(fn, "backward")}
+    found = {name for name, fn in functions.items()
+             if _calls(fn, "backward") or called[name] & set(known)}
     while True:
         more = {name for name in functions if name not in found and called[name] & found}
         if not more:
@@ -430,11 +452,12 @@ def _port_notebook(original: str) -> PortResult:
     out = PortResult("")
     first_code = None
     optimizers: set = set()  # an optimizer made in one cell is stepped in another
+    train_fns: set = set()  # a training function defined in one cell is called in another
     for n, cell in enumerate(notebook.get("cells", []), 1):
         if cell.get("cell_type") != "code":
             continue
         source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
-        result = port_source(source, optimizers)
+        result = port_source(source, optimizers, train_fns)
         first_code = n if first_code is None else first_code
         cell["source"] = result.text.splitlines(keepends=True)
         out.swaps += [(line, f"cell {n}: {what}") for line, what in result.swaps]
