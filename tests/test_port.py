@@ -150,7 +150,8 @@ def test_port_of_a_top_level_notebook_works_cell_by_cell(tmp_path):
     assert "line 8: cell 5: results indexed by batch size" in proc.stdout
     assert "line 2: cell 6: train_model() trains at the top level" in proc.stdout
     assert "    m\n" in cells[5] and "line 4: cell 6: `.cuda()` at the top level" in proc.stdout
-    assert "8 things port could not do safely" in proc.stdout
+    assert "line 8: cell 5: `model(x[i * bs:(i + 1) * bs]).detach().cpu()` collects evaluation results" in proc.stdout
+    assert "9 things port could not do safely" in proc.stdout
     assert json.loads(src.read_text()) == notebook
 
 
@@ -213,3 +214,17 @@ def test_port_of_a_tutorial_loop_finds_what_the_names_hide():
     assert "each replica sums only its own share" in todo[at(".item()")] and "tu.gather" in todo[at(".item()")]
     assert len(result.todo) == 3, result.todo
     compile(result.text, "ported", "exec")
+
+
+def test_port_keeps_a_loader_laid_out_over_lines():
+    from tpu_utility.port import port_source
+    source = ("train_loader = torch.utils.data.DataLoader(\n    train_ds,\n    batch_size=16,\n"
+              "    shuffle=True,        \n    drop_last=False,\n    num_workers=2,\n"
+              "    #sampler=BalanceClassSampler(labels, mode='downsampling')\n)\n"
+              "valid_loader = DataLoader(valid_ds, batch_size=16,\n    shuffle=False)\n")
+    result = port_source(source)
+    assert result.text == ("train_loader = tu.make_loader(\n    train_ds,\n    batch_size=16,\n"
+                           "    drop_last=False,\n    num_workers=2,\n"
+                           "    #sampler=BalanceClassSampler(labels, mode='downsampling')\n)\n"
+                           "valid_loader = tu.make_loader(valid_ds, batch_size=16, train=False)\n")
+    assert [line for line, _ in result.todo] == [1]  # drop_last=False on a training loader

@@ -151,6 +151,7 @@ class _Finder(ast.NodeVisitor):
         self.optimizers = optimizers  # names bound to optimizers
         self.depth = 0  # function nesting: device work at depth 0 runs before run() forks
         self.replaced = set()  # spans already replaced, so nested finds do not overlap
+        self.noted_loops = set()  # evaluation loops whose host reads are listed
 
     def _replace(self, node, new: str, what: str) -> bool:
         span = _span(node)
@@ -191,6 +192,9 @@ class _Finder(ast.NodeVisitor):
                 _is_cuda_string(node.args[0]) or isinstance(node.args[0], ast.IfExp)
                 and (_is_cuda_check(node.args[0].test) or _is_cuda_string(node.args[0].body))):
             self._device(node, "torch.device('cuda') -> tu.get_device()")
+        elif name == "torch.device" and node.args and not isinstance(node.args[0], (ast.Constant, ast.IfExp)):
+            self.todo.append((node.lineno, f"`{self._source(node)}` takes the device from a "
+                              f"setting: where it names cuda, use tu.get_device()"))
         elif name == "torch.accelerator.current_accelerator":
             self._device(node, "torch.accelerator.current_accelerator() -> tu.get_device()")
         elif name in ("torch.cuda.is_available", "torch.accelerator.is_available") and \
@@ -223,6 +227,12 @@ class _Finder(ast.NodeVisitor):
         elif attr == "item" and not node.args and self._in_loop_with_backward(node):
             self.todo.append((node.lineno, f"`{self._source(node)}` reads the device every step "
                               f"(a host transfer): sum on the device and read once per epoch"))
+        elif attr in ("cpu", "numpy", "tolist") and not node.args and \
+                _in_any(node, self.other_loops) and self._first_read_in_loop(node):
+            self.todo.append((node.lineno, f"`{self._source(node)}` collects evaluation results "
+                              f"on the host batch by batch: with one replica per core (a TPU) "
+                              f"each replica has only its own share; collect on the device and "
+                              f"use tu.gather(torch.cat(outputs), loader), then tu.to_cpu once"))
         elif attr == "item" and not node.args and _in_any(node, self.other_loops):
             self.todo.append((node.lineno, f"`{self._source(node)}` sums an evaluation batch by "
                               f"batch: with one replica per core (a TPU) each replica sums only "
@@ -253,9 +263,7 @@ class _Finder(ast.NodeVisitor):
                               "batch_size, ...))"))
             return
         if None in keywords:  # DataLoader(ds, **kwargs): whether it shuffles is not written here
-            args = [self._source(a) for a in node.args] + [self._source(k) for k in node.keywords]
-            self._replace(node, f"tu.make_loader({', '.join(args + ['train=False'])})",
-                          "DataLoader -> tu.make_loader (train=False)")
+            self._loader_edits(node, [], train_false=True)
             self.todo.append((node.lineno, "DataLoader(**...): port cannot see whether it is for "
                               "training; it wrote train=False (in order, nothing dropped: right "
                               "for evaluation); make the training loader's train=True"))
@@ -266,17 +274,54 @@ class _Finder(ast.NodeVisitor):
             self.todo.append((node.lineno, f"DataLoader(shuffle={self._source(shuffle.value)}): "
                               f"pass train=True for training, train=False for evaluation"))
             return
-        args = [self._source(a) for a in node.args]
-        kept = []
-        for k in node.keywords:
-            if k.arg == "shuffle" or (k.arg == "drop_last" and shuffles and
-                                      isinstance(k.value, ast.Constant) and k.value.value is True):
-                continue  # make_loader's train=True already shuffles and drops the short batch
-            kept.append(self._source(k))
-        if not shuffles:
-            kept.append("train=False")  # evaluation: in order, nothing dropped
-        self._replace(node, f"tu.make_loader({', '.join(args + kept)})",
-                      "DataLoader -> tu.make_loader" + ("" if shuffles else " (train=False)"))
+        drop = keywords.get("drop_last")
+        if shuffles and drop is not None and isinstance(drop.value, ast.Constant) and drop.value.value is False:
+            self.todo.append((node.lineno, "drop_last=False on a training loader: its short last "
+                              "batch makes XLA compile the step again; drop it to get make_loader's "
+                              "drop_last=True (less than one batch of each epoch left out)"))
+        # make_loader's train=True already shuffles and drops the short batch
+        dropped = [k for k in node.keywords if k.arg == "shuffle" or (
+            k.arg == "drop_last" and shuffles and isinstance(k.value, ast.Constant) and k.value.value is True)]
+        self._loader_edits(node, dropped, train_false=not shuffles)
+
+    def _loader_edits(self, node, dropped, train_false: bool) -> None:
+        """DataLoader(...) -> tu.make_loader(...) by small edits (the name, the arguments
+        dropped, `train=False` added), so a call laid out over lines keeps its layout and
+        comments."""
+        if any(_inside(_span(node), done) for done in self.replaced):
+            return
+        arguments = sorted(node.args + node.keywords, key=lambda a: (a.lineno, a.col_offset))
+        kept = [a for a in arguments if a not in dropped]
+        self.edits.append((*_span(node.func), "tu.make_loader"))
+        i = 0
+        while i < len(arguments):  # each run of dropped arguments goes with its commas
+            if arguments[i] in kept:
+                i += 1
+                continue
+            j = i
+            while j + 1 < len(arguments) and arguments[j + 1] not in kept:
+                j += 1
+            if j + 1 < len(arguments):  # up to the next kept argument
+                span = (*_span(arguments[i])[:2], arguments[j + 1].lineno, arguments[j + 1].col_offset)
+            elif i > 0:  # the last ones: from the end of the kept one before
+                span = (*_span(arguments[i - 1])[2:], *_span(arguments[j])[2:])
+            else:
+                span = (*_span(arguments[i])[:2], *_span(arguments[j])[2:])
+            self.edits.append((*span, ""))
+            i = j + 1
+        if train_false:  # evaluation: in order, nothing dropped
+            end = _span(kept[-1])[2:] if kept else _span(node)[2:]
+            self.edits.append((*end, *end, ", train=False" if kept else "train=False"))
+        self.swaps.append((node.lineno, "DataLoader -> tu.make_loader" + (" (train=False)" if train_false else "")))
+
+    def _first_read_in_loop(self, node) -> bool:
+        """One note per evaluation loop: `x.cpu().numpy()` and its neighbours are one fix."""
+        loop = max((n for n in self.other_loops if n.lineno <= node.lineno <= n.end_lineno),
+                   key=lambda n: n.lineno)
+        if loop in self.noted_loops:
+            return False
+        self.noted_loops.add(loop)
+        return True
 
     def _in_loop_with_backward(self, node) -> bool:
         return _in_any(node, self.backward_loops)
@@ -302,9 +347,13 @@ class _Finder(ast.NodeVisitor):
                     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
                             node.func.id in train_fns:
                         if any(loop.lineno <= node.lineno <= loop.end_lineno for loop in loops):
+                            shared = _globals_set_here(stmt, tree)
                             self.todo.append((node.lineno, f"{node.func.id}() is called in a loop "
                                               f"at the top: move the loop into one function and "
-                                              f"call tu.run(that_function, cores=8) once"))
+                                              f"call tu.run(that_function, cores=8) once" + (
+                                                  f"; functions read {', '.join(shared)} as "
+                                                  f"globals set here: declare them `global` in "
+                                                  f"that function, or pass them" if shared else "")))
                         else:
                             self._run_call(node)
             if isinstance(stmt, (ast.For, ast.While)) and _calls(stmt, "backward"):
@@ -396,6 +445,21 @@ def _training_functions(tree, known: frozenset = frozenset()) -> set:
         if not more:
             return found
         found |= more
+
+
+def _globals_set_here(block, tree) -> List[str]:
+    """Names that `block` assigns and that the module's functions read without assigning
+    them: globals that stop being global once `block` moves into a function."""
+    assigned = {t.id for n in ast.walk(block) if isinstance(n, (ast.Assign, ast.AnnAssign))
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                if isinstance(t, ast.Name)}
+    read = set()
+    for fn in (s for s in tree.body if isinstance(s, ast.FunctionDef)):
+        local = {a.arg for a in ast.walk(fn.args) if isinstance(a, ast.arg)} | {
+            n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        read |= {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)
+                 and isinstance(n.ctx, ast.Load) and n.id not in local}
+    return sorted(assigned & read)
 
 
 def _is_main_guard(stmt) -> bool:
