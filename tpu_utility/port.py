@@ -68,16 +68,17 @@ def port(path: str, *, write: bool = True) -> PortResult:
     """Port a .py script or a .ipynb notebook; write `<name>_tpu.<ext>` next to it.
 
     The original is never edited. A notebook is ported cell by cell (line numbers in the
-    report count from each cell's first line, as "cell N line M").
+    report count from each cell's first line, as "line M: cell N").
 
     Example:
         >>> import os, tempfile
         >>> path = os.path.join(tempfile.mkdtemp(), "train.py")
-        >>> _ = open(path, "w").write("import torch\\nx = torch.ones(2).cuda()\\n")
+        >>> _ = open(path, "w").write("import torch\\ndef ones():\\n    return torch.ones(2).cuda()\\n")
         >>> print(open(port(path).output).read())
         import torch
         import tpu_utility as tu
-        x = torch.ones(2).to(tu.get_device())
+        def ones():
+            return torch.ones(2).to(tu.get_device())
         <BLANKLINE>
     """
     with open(path, encoding="utf-8") as f:
