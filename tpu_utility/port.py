@@ -112,10 +112,8 @@ def main(argv: List[str]) -> int:
         except SyntaxError as e:
             print(f"port: {path} does not parse (line {e.lineno}: {e.msg}); nothing written")
             return 2
-        if path.endswith(".py"):
-            print("".join(difflib.unified_diff(before.splitlines(keepends=True),
-                                               result.text.splitlines(keepends=True),
-                                               path, result.output)))
+        print("".join(difflib.unified_diff(_code(before, path), _code(result.text, path),
+                                           path, result.output)))
         print(f"wrote {result.output}: {result}")
     return 0
 
@@ -162,6 +160,14 @@ class _Finder(ast.NodeVisitor):
         self.edits.append((*span, new))
         self.swaps.append((node.lineno, what))
         return True
+
+    def visit_Expr(self, node):
+        call = node.value
+        if isinstance(call, ast.Call) and _dotted(call.func).startswith("torch.cuda.") and \
+                _dotted(call.func).split(".")[-1] in _NO_TPU_MEANING:
+            self._replace(node, "pass", f"{_dotted(call.func)}() has no meaning on a TPU: removed")
+            return
+        self.generic_visit(node)
 
     def visit_FunctionDef(self, node):
         self.depth += 1
@@ -224,8 +230,10 @@ class _Finder(ast.NodeVisitor):
         elif name == "torch.cuda.synchronize":
             self._replace(node, "tu.sync()", "torch.cuda.synchronize() -> tu.sync()")
         elif name.startswith("torch.cuda.") and name.split(".")[-1] in _NO_TPU_MEANING:
+            # a statement of its own becomes `pass` (visit_Expr); inside an expression, None
             self._replace(node, "None", f"{name}() has no meaning on a TPU: removed")
-        elif attr == "item" and not node.args and self._in_loop_with_backward(node):
+        elif attr == "item" and not node.args and self._in_loop_with_backward(node) and \
+                not _in_any(node, self.ifs_in_loops):  # under an `if`: a log point, not every step
             self.todo.append((node.lineno, f"`{self._source(node)}` reads the device every step "
                               f"(a host transfer): sum on the device and read once per epoch"))
         elif attr in ("cpu", "numpy", "tolist") and not node.args and \
@@ -385,6 +393,8 @@ class _Finder(ast.NodeVisitor):
         loops = [n for n in ast.walk(node) if isinstance(n, (ast.For, ast.While))]
         self.backward_loops = [n for n in loops if _calls(n, "backward")]
         self.other_loops = [n for n in loops if n not in self.backward_loops]
+        self.ifs_in_loops = [i for loop in self.backward_loops for i in ast.walk(loop)
+                             if isinstance(i, ast.If)]
         # Names bound to optimizers anywhere in the module, before any `.step()` is read:
         # `def train(model, optimizer)` usually comes before the `optimizer = ...` in main().
         self.optimizers.update(t.id for n in ast.walk(node) if isinstance(n, ast.Assign)
@@ -512,6 +522,18 @@ def _add_import(text: str) -> str:
     return "".join(lines)
 
 
+def _code(text: str, path: str) -> List[str]:
+    """The lines a diff shows: a script's, or a notebook's code cells under `# cell N`."""
+    if not path.endswith(".ipynb"):
+        return text.splitlines(keepends=True)
+    lines = []
+    for n, cell in enumerate(json.loads(text).get("cells", []), 1):
+        if cell.get("cell_type") == "code":
+            source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+            lines += [f"# cell {n}\n"] + [line.rstrip("\n") + "\n" for line in source.splitlines()]
+    return lines
+
+
 def _port_notebook(original: str) -> PortResult:
     notebook = json.loads(original)
     out = PortResult("")
@@ -529,6 +551,9 @@ def _port_notebook(original: str) -> PortResult:
         out.todo += [(line, f"cell {n}: {what}") for line, what in result.todo]
     if out.swaps and first_code is not None:
         cell = notebook["cells"][first_code - 1]
-        cell["source"] = ["import tpu_utility as tu\n"] + cell["source"]
+        magics = 0  # a cell magic (%%time, %%capture) must stay the cell's first line
+        while magics < len(cell["source"]) and cell["source"][magics].startswith("%%"):
+            magics += 1
+        cell["source"][magics:magics] = ["import tpu_utility as tu\n"]
     out.text = json.dumps(notebook, indent=1, ensure_ascii=False) + "\n"
     return out
