@@ -322,7 +322,10 @@ def hints(rep: XlaReport, history=None, sites=(), loaders=()) -> List[str]:
     steps = len(getattr(history, "lrs", []) or [])
     per_step = (sum(e.transfers for e in epochs) >= steps) if epochs and steps else \
         (rep.executions >= 20 and rep.transfers * 2 >= rep.executions)
-    if per_step and rep.item_reads * 2 >= rep.transfers:
+    # .item() itself about once a step, even where other reads (torch.save) are more
+    items_per_step = rep.item_reads >= steps if steps else rep.item_reads * 2 >= rep.executions
+    if per_step and rep.item_reads and (items_per_step or _at(sites, "item") or
+                                        rep.item_reads * 2 >= rep.transfers):
         out.append(f"a host transfer every step: {rep.item_reads} .item() reads{_at(sites, 'item')}; "
                    f"keep sums on the device and read them once per epoch")
     elif per_step:
