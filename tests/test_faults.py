@@ -160,8 +160,12 @@ def test_errors_while_loading_reach_the_training_code(tmp_path):
 # -- Killed callers --------------------------------------------------------------------------
 
 CALLER_SCRIPT = """
-    import os, sys, time, torch, tpu_utility as tu
+    import os, signal, sys, time, torch, tpu_utility as tu
     from torch.utils.data import TensorDataset
+
+    # Ctrl-C as in a terminal: a shell that runs the suite in the background without job
+    # control starts it with SIGINT ignored, and that would pass on to this script.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def train_fn(folder):
         ds = TensorDataset(torch.randn(4096, 8), torch.randn(4096))

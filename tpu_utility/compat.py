@@ -36,7 +36,7 @@ def cpu_copies(tensors: List) -> List:
     tiled = (3, 5)  # ShardingType.TILED, PARTIAL: split over devices, not replicated
     sharded = [i for i, t in enumerate(tensors)
                if torch_xla._XLAC._get_xla_sharding_type(t) in tiled]
-    plain = [i for i in range(len(tensors)) if i not in set(sharded)]
+    plain = sorted(set(range(len(tensors))) - set(sharded))
     out = [None] * len(tensors)
     if plain:
         for i, c in zip(plain, torch_xla._XLAC._xla_get_cpu_tensors([tensors[i] for i in plain])):
