@@ -81,16 +81,8 @@ class DeviceLoader:
 
     def last_batch_rows(self) -> int:
         """Rows in this replica's last batch of an epoch, when it is short; 0 when full."""
-        import math
-        engine = current()
-        replicas, _ = engine.shard()
-        per_step = engine.per_step_batch(self.per_core_batch_size)
-        n = len(self.dataset)
-        if self.pad:
-            n = math.ceil(n / (self.per_core_batch_size * engine.world_size)) * \
-                self.per_core_batch_size * engine.world_size
-        rows = math.ceil(n / replicas)  # DistributedSampler's share, padded with repeats
-        return 0 if self.drop_last else rows % per_step
+        loader = self.loader  # its sampler holds this replica's share, padding included
+        return 0 if self.drop_last else len(loader.sampler) % loader.batch_size
 
     def state_dict(self) -> dict:
         """The calling replica's place: the epoch in progress (or next) and the batches of

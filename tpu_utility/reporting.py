@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .devices import is_master
-from .engines import current
 from .environment import in_notebook
 
 
@@ -292,7 +291,7 @@ def caller_code(frame) -> Tuple[List[Tuple[str, str, str]], List[Tuple[str, int,
         if isinstance(value, DeviceLoader) and value.shuffle:
             rows = value.last_batch_rows()
             if rows:
-                loaders.append((name, rows, current().per_step_batch(value.per_core_batch_size)))
+                loaders.append((name, rows, value.batch_size))
     return sites, loaders
 
 
