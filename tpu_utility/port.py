@@ -152,8 +152,8 @@ class _Finder(ast.NodeVisitor):
         self.replaced = set()  # spans already replaced, so nested finds do not overlap
         self.noted_loops = set()  # evaluation loops whose host reads are listed
 
-    def _replace(self, node, new: str, what: str) -> bool:
-        span = _span(node)
+    def _replace(self, node, new: str, what: str, span=None) -> bool:
+        span = span or _span(node)
         if any(_inside(span, done) for done in self.replaced):
             return False
         self.replaced.add(span)
@@ -165,7 +165,32 @@ class _Finder(ast.NodeVisitor):
         call = node.value
         if isinstance(call, ast.Call) and _dotted(call.func).startswith("torch.cuda.") and \
                 _dotted(call.func).split(".")[-1] in _NO_TPU_MEANING:
-            self._replace(node, "pass", f"{_dotted(call.func)}() has no meaning on a TPU: removed")
+            self._remove(node, f"{_dotted(call.func)}() has no meaning on a TPU: removed")
+            return
+        if self.depth == 0 and isinstance(call, ast.Call) and self._moves_to_cuda(call):
+            # `model.cuda()` on its own line at the top: the model stays on the CPU (see
+            # _to_device), so the statement has nothing left to do
+            if self._remove(node, f".{call.func.attr}() at the top level -> stays on the CPU"):
+                self._top_level_move_note(node.lineno, call.func.attr)
+            return
+        self.generic_visit(node)
+
+    def _remove(self, stmt, what: str) -> bool:
+        """Delete a statement's lines; `pass` where it is alone in its block or shares a line."""
+        first, last = self.lines[stmt.lineno - 1], self.lines[stmt.end_lineno - 1]
+        shares_line = first.encode()[:stmt.col_offset].strip() or \
+            last.encode()[stmt.end_col_offset:].split(b"#")[0].strip()
+        if id(stmt) in self.alone or shares_line:
+            return self._replace(stmt, "pass", what)
+        end = (stmt.end_lineno + 1, 0) if stmt.end_lineno < len(self.lines) else \
+            (stmt.end_lineno, len(last.encode()))
+        return self._replace(stmt, "", what, span=(stmt.lineno, 0, *end))
+
+    def visit_If(self, node):
+        # if use_cuda: device = torch.device("cuda") / else: device = torch.device("cpu")
+        name = _device_choice(node)
+        if name:
+            self._device(node, "if/else device choice -> tu.get_device()", f"{name} = {_DEVICE}")
             return
         self.generic_visit(node)
 
@@ -176,8 +201,8 @@ class _Finder(ast.NodeVisitor):
 
     visit_AsyncFunctionDef = visit_FunctionDef
 
-    def _device(self, node, what: str) -> None:
-        if self._replace(node, _DEVICE, what) and self.depth == 0:
+    def _device(self, node, what: str, new: str = _DEVICE) -> None:
+        if self._replace(node, new, what) and self.depth == 0:
             self.todo.append((node.lineno, "the device is chosen at the top level, which starts the "
                               "XLA runtime in this process: run(cores=8) then refuses; call "
                               "tu.get_device() inside the training function instead"))
@@ -210,8 +235,7 @@ class _Finder(ast.NodeVisitor):
                               f"only with a GPU (its device; loader options such as shuffle or "
                               f"pin_memory) will not happen there; decide each by hand "
                               f"(tu.get_device() for the device)"))
-        elif attr == "cuda" and not node.args and not node.keywords and name != "torch.cuda" or \
-                attr == "to" and node.args and _is_cuda_string(node.args[0]):
+        elif self._moves_to_cuda(node):
             self._to_device(node, attr)
         elif attr == "step" and isinstance(node.func.value, ast.Name) and \
                 node.func.value.id in self.optimizers and not node.args and not node.keywords:
@@ -249,6 +273,19 @@ class _Finder(ast.NodeVisitor):
                               f"use tu.gather(torch.cat(outputs), loader), then read once"))
         self.generic_visit(node)
 
+    @staticmethod
+    def _moves_to_cuda(node) -> bool:
+        attr = node.func.attr if isinstance(node.func, ast.Attribute) else None
+        return attr == "cuda" and not node.args and not node.keywords and \
+            _dotted(node.func) != "torch.cuda" or \
+            attr == "to" and bool(node.args) and _is_cuda_string(node.args[0])
+
+    def _top_level_move_note(self, line: int, attr: str) -> None:
+        call = ".cuda()" if attr == "cuda" else '.to("cuda")'
+        self.todo.append((line, f"`{call}` at the top level was removed: tensors stay on the "
+                          f"CPU (make_loader moves each batch to the device); move a model "
+                          f"inside the training function, with .to(tu.get_device())"))
+
     def _to_device(self, node, attr: str) -> None:
         receiver = self._source(node.func.value)
         rest = [self._source(a) for a in node.args[1:]] + [self._source(k) for k in node.keywords]
@@ -259,10 +296,7 @@ class _Finder(ast.NodeVisitor):
         # dataset's tensors where DataLoader workers cannot read them): stay on the CPU.
         elif self._replace(node, f"{receiver}.to({', '.join(rest)})" if rest else receiver,
                            f".{attr}() at the top level -> stays on the CPU"):
-            self.todo.append((node.lineno, f"`.{attr}()` at the top level was removed: tensors "
-                              f"stay on the CPU (make_loader moves each batch to the device); "
-                              f"move a model inside the training function, with "
-                              f".to(tu.get_device())"))
+            self._top_level_move_note(node.lineno, attr)
 
     def _data_loader(self, node) -> None:
         keywords = {k.arg: k for k in node.keywords}
@@ -390,6 +424,10 @@ class _Finder(ast.NodeVisitor):
                       f"{node.func.id}() -> tu.run({node.func.id}, cores=8)")
 
     def visit_Module(self, node):
+        # statements alone in their block: removing one leaves `pass`, not an empty block
+        self.alone = {id(body[0]) for n in ast.walk(node) for body in
+                      (getattr(n, f, None) for f in ("body", "orelse", "finalbody"))
+                      if isinstance(body, list) and len(body) == 1 and n is not node}
         loops = [n for n in ast.walk(node) if isinstance(n, (ast.For, ast.While))]
         self.backward_loops = [n for n in loops if _calls(n, "backward")]
         self.other_loops = [n for n in loops if n not in self.backward_loops]
@@ -441,6 +479,34 @@ def costly_calls(source: str) -> List[Tuple[str, int, str]]:
             found[kind, node.lineno] = code
     return sorted(((kind, line, code) for (kind, line), code in found.items()),
                   key=lambda f: f[1])
+
+
+def _device_choice(node) -> str:
+    """The name an if/elif/else chain sets to a device in every branch, one of them a GPU
+    (`if use_cuda: device = torch.device("cuda") else: device = torch.device("cpu")`);
+    '' for any other `if`."""
+    branches, names, gpu = [node.body], set(), False
+    while len(node.orelse) == 1 and isinstance(node.orelse[0], ast.If):
+        node = node.orelse[0]
+        branches.append(node.body)
+    if not node.orelse:
+        return ""
+    branches.append(node.orelse)
+    for body in branches:
+        if len(body) != 1 or not isinstance(body[0], ast.Assign) or len(body[0].targets) != 1 \
+                or not isinstance(body[0].targets[0], ast.Name):
+            return ""
+        value = body[0].value
+        if isinstance(value, ast.Call) and _dotted(value.func) == "torch.device" and value.args:
+            value = value.args[0]
+        if isinstance(value, ast.Call) and _dotted(value.func) == "torch.accelerator.current_accelerator":
+            gpu = True
+        elif not (isinstance(value, ast.Constant) and isinstance(value.value, str)
+                  and re.fullmatch(r"(cuda|cpu|mps|xpu)(:\d+)?", value.value)):
+            return ""
+        gpu = gpu or _is_cuda_string(value)
+        names.add(body[0].targets[0].id)
+    return names.pop() if gpu and len(names) == 1 else ""
 
 
 def _training_functions(tree, known: frozenset = frozenset()) -> set:
