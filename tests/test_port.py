@@ -195,14 +195,15 @@ def main(ds, net):
         device = torch.accelerator.current_accelerator()
     else:
         device = torch.device("cpu")
-    train_kwargs = {"batch_size": 8}
+    train_kwargs, test_kwargs = {"batch_size": 8}, {"batch_size": 8}
     if use_accel:
         train_kwargs.update({"shuffle": True, "pin_memory": True})
     train_loader = DataLoader(ds, **train_kwargs)
+    test_loader = DataLoader(ds, **test_kwargs)
     model = net.to(device)
     optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
     train(model, train_loader, optimizer)
-    return test(model, train_loader)
+    return test(model, test_loader)
 '''
 
 
@@ -218,14 +219,25 @@ def test_port_of_a_tutorial_loop_finds_what_the_names_hide():
     # the whole if/else choosing the device becomes one line
     assert "    else:\n" not in result.text and 'torch.device("cpu")' not in result.text
     assert "    device = tu.get_device()\n    train_kwargs" in result.text
-    # what the loader is for is hidden in a dict: evaluation's safe choice, and a note
-    assert "    train_loader = tu.make_loader(ds, **train_kwargs, train=False)\n" in result.text
+    # whether a loader shuffles is hidden in a dict: where it goes tells (train() trains)
+    assert "    train_loader = tu.make_loader(ds, **train_kwargs)\n" in result.text
+    assert "    test_loader = tu.make_loader(ds, **test_kwargs, train=False)\n" in result.text
     todo = dict(result.todo)
-    assert "cannot see whether it is for training" in todo[at("DataLoader(ds")]
     assert "is False on a TPU host" in todo[at("use_accel = ")]
     assert "each replica sums only its own share" in todo[at("total += ")] and "tu.gather" in todo[at("total += ")]
-    assert len(result.todo) == 3, result.todo
+    assert len(result.todo) == 2, result.todo
     compile(result.text, "ported", "exec")
+    # a loader read in a function that also evaluates another one is still told apart
+    both = port_source("def fit(model, opt, train_dl, valid_dl):\n    for x, y in train_dl:\n"
+                       "        model(x).sum().backward()\n    for x, y in valid_dl:\n        model(x)\n"
+                       "a = DataLoader(ds, **kw)\nb = DataLoader(ds, **kw)\nfit(m, o, a, valid_dl=b)\n")
+    assert "a = tu.make_loader(ds, **kw)\nb = tu.make_loader(ds, **kw, train=False)\n" in both.text
+    assert both.todo == [(8, "fit() trains at the top level: move this code into a function (def "
+                              "train_fn(): ...) and call tu.run(train_fn, cores=8); notebooks too")]
+    # no loop is seen reading it: evaluation's safe choice (nothing dropped), and a note
+    unknown = port_source("loader = DataLoader(ds, **kwargs)\ntrainer.fit(model, loader)\n")
+    assert unknown.text.startswith("loader = tu.make_loader(ds, **kwargs, train=False)\n")
+    assert "cannot see whether it is for training" in unknown.todo[0][1]
 
 
 def test_port_keeps_a_loader_laid_out_over_lines():

@@ -144,6 +144,7 @@ def _is_cuda_check(node) -> bool:
 class _Finder(ast.NodeVisitor):
     def __init__(self, lines: List[str], optimizers: set):
         self.lines = lines
+        self.scopes: list = []  # the function definitions being visited, innermost last
         self.edits: List[Tuple[int, int, int, int, str]] = []  # (line, col, end_line, end_col, new)
         self.swaps: List[Tuple[int, str]] = []
         self.todo: List[Tuple[int, str]] = []
@@ -196,7 +197,9 @@ class _Finder(ast.NodeVisitor):
 
     def visit_FunctionDef(self, node):
         self.depth += 1
+        self.scopes.append(node)
         self.generic_visit(node)
+        self.scopes.pop()
         self.depth -= 1
 
     visit_AsyncFunctionDef = visit_FunctionDef
@@ -306,6 +309,12 @@ class _Finder(ast.NodeVisitor):
                               "batch_size, ...))"))
             return
         if None in keywords:  # DataLoader(ds, **kwargs): whether it shuffles is not written here
+            name = self.assigned_to.get(id(node))
+            use = name and _loader_role(self.scopes[-1] if self.scopes else self.module, name,
+                                        self.functions)
+            if use:  # what the loader is for shows in the loops that read it
+                self._loader_edits(node, [], train_false=use == "eval")
+                return
             self._loader_edits(node, [], train_false=True)
             self.todo.append((node.lineno, "DataLoader(**...): port cannot see whether it is for "
                               "training; it wrote train=False (in order, nothing dropped: right "
@@ -433,6 +442,11 @@ class _Finder(ast.NodeVisitor):
         self.other_loops = [n for n in loops if n not in self.backward_loops]
         self.ifs_in_loops = [i for loop in self.backward_loops for i in ast.walk(loop)
                              if isinstance(i, ast.If)]
+        self.module = node
+        self.functions = {s.name: s for s in node.body if isinstance(s, ast.FunctionDef)}
+        self.assigned_to = {id(n.value): n.targets[0].id for n in ast.walk(node)
+                            if isinstance(n, ast.Assign) and len(n.targets) == 1
+                            and isinstance(n.targets[0], ast.Name)}
         # Names bound to optimizers anywhere in the module, before any `.step()` is read:
         # `def train(model, optimizer)` usually comes before the `optimizer = ...` in main().
         self.optimizers.update(t.id for n in ast.walk(node) if isinstance(n, ast.Assign)
@@ -522,6 +536,26 @@ def _training_functions(tree, known: frozenset = frozenset()) -> set:
         if not more:
             return found
         found |= more
+
+
+def _loader_role(scope, name: str, functions: dict, depth: int = 0) -> Optional[str]:
+    """"train" if `name` is read in `scope` by a loop that calls backward(), or is passed
+    to a module function whose loop over it does; "eval" if the loops that read it do not;
+    None if no loop is seen reading it (a `**kwargs` DataLoader then stays train=False)."""
+    roles = set()
+    for node in ast.walk(scope):
+        if isinstance(node, (ast.For, ast.AsyncFor)) and any(
+                isinstance(n, ast.Name) and n.id == name for n in ast.walk(node.iter)):
+            roles.add("train" if _calls(node, "backward") else "eval")
+        elif depth < 3 and isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id in functions:
+            fn = functions[node.func.id]
+            params = [a.arg for a in fn.args.posonlyargs + fn.args.args]
+            passed = [params[i] for i, a in enumerate(node.args) if i < len(params)
+                      and isinstance(a, ast.Name) and a.id == name]
+            passed += [k.arg for k in node.keywords if isinstance(k.value, ast.Name) and k.value.id == name]
+            roles.update(_loader_role(fn, p, functions, depth + 1) for p in passed)
+    return "train" if "train" in roles else "eval" if "eval" in roles else None
 
 
 def _globals_set_here(block, tree) -> List[str]:
