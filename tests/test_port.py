@@ -219,7 +219,8 @@ def test_port_of_a_tutorial_loop_finds_what_the_names_hide():
     # the whole if/else choosing the device becomes one line
     assert "    else:\n" not in result.text and 'torch.device("cpu")' not in result.text
     assert "    device = tu.get_device()\n    train_kwargs" in result.text
-    # whether a loader shuffles is hidden in a dict: where it goes tells (train() trains)
+    # whether a loader shuffles is hidden in a dict: the loops that read it tell (train()'s
+    # calls backward(), test()'s does not)
     assert "    train_loader = tu.make_loader(ds, **train_kwargs)\n" in result.text
     assert "    test_loader = tu.make_loader(ds, **test_kwargs, train=False)\n" in result.text
     todo = dict(result.todo)
