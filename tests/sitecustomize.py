@@ -6,6 +6,11 @@ that tpu_utility makes (torch_xla's `@deprecated` points the warning at its call
 an error. torch_xla's, torch's and jupyter's warnings about their own internals are not:
 they are theirs to fix, and 2.8's killed MpDeviceLoader's thread when they were errors.
 """
+import faulthandler
+import signal
 import warnings
 
+# conftest.run_process sends SIGUSR1 to a process group that hangs: every thread's stack to
+# stderr, and the process goes on until it is killed.
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 warnings.filterwarnings("error", category=DeprecationWarning, module=r"tpu_utility(\.|$)")

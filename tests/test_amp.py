@@ -1,6 +1,5 @@
 """The AMP swap (tu.autocast, tu.GradScaler) against a hand-written bf16 torch_xla loop, and
 tu.gather for users' own evaluation loops, at 1 core, 8 SPMD devices and several replicas."""
-import pytest
 
 COMMON = """
     import json, os, sys, torch, torch.nn.functional as F

@@ -1,15 +1,14 @@
 """The benchmarks that start XLA children run end to end at toy sizes, so they cannot rot
 unseen; the counts they print are checked, never their times (their figures are read from
 full runs)."""
-import subprocess
 import sys
 
-from conftest import ROOT, script_env
+from conftest import ROOT, run_process
 
 
 def bench(name, *args):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *args], capture_output=True,
-                          text=True, env=script_env(), cwd=ROOT, timeout=300)
+    proc = run_process([sys.executable, str(ROOT / "benchmarks" / name), *args], cwd=ROOT,
+                       timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 

@@ -1,9 +1,8 @@
 """Every public function's docstring example runs (in a fresh process: they use XLA)."""
-import subprocess
 import sys
 
 import tpu_utility
-from conftest import ROOT, script_env
+from conftest import ROOT, run_process
 
 
 def test_public_api_has_docstring_examples():
@@ -12,8 +11,7 @@ def test_public_api_has_docstring_examples():
 
 
 def test_docstring_examples_run():
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "--doctest-modules", "tpu_utility"], cwd=ROOT, env=script_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = run_process([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "--doctest-modules", "tpu_utility"], cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert " passed" in proc.stdout

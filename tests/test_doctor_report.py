@@ -1,10 +1,9 @@
 """`python -m tpu_utility doctor` and `report()`: each message and each hint."""
 import importlib.metadata
-import subprocess
 import sys
 
 import tpu_utility as tu
-from conftest import ROOT, script_env
+from conftest import ROOT, run_process
 from test_environment import fake_pci
 
 
@@ -37,13 +36,11 @@ def test_doctor_mismatch_exits_nonzero_with_the_fix(capsys):
 def test_doctor_without_torch_xla_exits_nonzero_with_the_fix():
     code = ("import sys, runpy; sys.modules['torch_xla'] = None; "  # torch_xla absent
             "runpy.run_module('tpu_utility', run_name='__main__')")
-    proc = subprocess.run([sys.executable, "-c", code, "doctor"], capture_output=True, text=True,
-                          env=script_env(), cwd=ROOT, timeout=120)
+    proc = run_process([sys.executable, "-c", code, "doctor"], cwd=ROOT, timeout=120)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     torch_version = importlib.metadata.version("torch").split("+")[0]
     assert f"torch_xla is not installed: pip install torch_xla=={torch_version}" in proc.stdout
-    bad = subprocess.run([sys.executable, "-m", "tpu_utility", "dr"], capture_output=True,
-                         text=True, env=script_env(), cwd=ROOT, timeout=120)
+    bad = run_process([sys.executable, "-m", "tpu_utility", "dr"], cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and "usage" in bad.stderr
 
 

@@ -4,6 +4,7 @@ process killed with a real signal, a read-only or full filesystem) and checks th
 ends in a clear error, or is handled, with nothing lost and no process left behind."""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -13,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, script_env
+from conftest import processes, run_process, script_env
 
 COMMON = """
     import json, math, os, sys, warnings, torch, torch.nn as nn, torch.nn.functional as F
@@ -128,8 +129,7 @@ def test_errors_while_loading_reach_the_training_code(tmp_path):
     script.write_text(textwrap.dedent(INPUT_SCRIPT))
     images = tmp_path / "images"
     images.mkdir()
-    proc = subprocess.run([sys.executable, str(script), str(images)], capture_output=True,
-                          text=True, timeout=500, env=script_env(), cwd=tmp_path)
+    proc = run_process([sys.executable, str(script), str(images)], cwd=tmp_path, timeout=500)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     r = json.loads(proc.stdout.split("RESULT ", 1)[1])
     for workers in (0, 2):  # in the loading thread, and in DataLoader worker processes
@@ -184,13 +184,8 @@ CALLER_SCRIPT = """
 def descendants(pid):
     """Every process below `pid`."""
     children = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(d))
-            except OSError:
-                pass
+    for child, (_, ppid, _) in processes().items():
+        children.setdefault(ppid, []).append(child)
     out, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -200,15 +195,8 @@ def descendants(pid):
 
 
 def alive(pids):
-    out = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    out.append(pid)
-        except OSError:
-            pass
-    return out
+    now = processes()
+    return [pid for pid in pids if pid in now and now[pid][0] != "Z"]
 
 
 def wait_for(predicate, timeout):
@@ -316,9 +304,8 @@ def in_sandbox(tmp_path, code, mounts, timeout=300):
     script = tmp_path / "sandboxed.py"
     script.write_text(textwrap.dedent(code))
     cmd = " && ".join(setup + [f"exec {sys.executable} {script}"])
-    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", cmd],
-                          capture_output=True, text=True, timeout=timeout, env=script_env(),
-                          cwd=tmp_path)
+    proc = run_process(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", cmd],
+                       cwd=tmp_path, timeout=timeout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(proc.stdout.split("RESULT ", 1)[1])
 
@@ -627,3 +614,31 @@ def test_image_and_cache_helpers_refuse_wrong_paths_clearly(tmp_path):
     (cache / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match="not a complete cache .*lacks leaves"):
         tu.open_cache(str(cache))
+
+
+# -- The tests' own bound on a process that hangs ----------------------------------------------
+
+def test_a_hung_test_process_shows_its_stacks_and_its_group_is_killed(tmp_path):
+    # conftest.run_process runs the tests' scripts: a hang must say where it was, in the
+    # script and in its children, and leave nothing running.
+    script = tmp_path / "hang.py"
+    script.write_text(textwrap.dedent("""
+        import multiprocessing, time
+        def child_waits():
+            time.sleep(600)
+        def parent_waits():
+            time.sleep(600)
+        if __name__ == "__main__":
+            p = multiprocessing.get_context("fork").Process(target=child_waits)
+            p.start()
+            print("child", p.pid, flush=True)
+            parent_waits()
+    """))
+    with pytest.warns(UserWarning, match=r"hung for 1 s; running it again"):
+        with pytest.raises(AssertionError, match="hung twice") as e:
+            run_process([sys.executable, str(script)], cwd=tmp_path, timeout=1)
+    text = str(e.value)
+    assert text.count("in parent_waits") == 2 and text.count("in child_waits") == 2, text
+    children = re.findall(r"child (\d+)", text)
+    assert len(children) == 2
+    assert not alive(int(pid) for pid in children)

@@ -1,14 +1,13 @@
 """The hosts users have (Kaggle's v5e-8, Colab's v5e-1 and v6e-1, v4, v5p, pods), settings
 that contradict them, and the TorchTPU runtime. Each host is built as a /sys tree and an
 environment in a temporary folder; torch_xla is never faked."""
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
 import tpu_utility as tu
-from conftest import ROOT, script_env
+from conftest import ROOT, run_process, script_env
 from test_environment import fake_pci
 from tpu_utility.engines import choose
 from tpu_utility.environment import env_problems, setup_tpu
@@ -183,7 +182,6 @@ def test_doctor_reports_torchtpu(tmp_path):
     sysfs = fake_pci(tmp_path, ["0x006f"] * 8)
     code = (f"import sys; sys.modules['torch_xla'] = None; import tpu_utility as tu; "
             f"sys.exit(tu.doctor(env={{}}, sysfs={sysfs!r}))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=120)
+    proc = run_process([sys.executable, "-c", code], cwd=ROOT, env=env, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr  # a TPU with TorchTPU needs no torch_xla
     assert "torch-tpu       0.2.0 (Google's TorchTPU: experimental" in proc.stdout

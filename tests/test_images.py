@@ -5,7 +5,6 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 from PIL import Image, ImageFile, ImageOps
 
-from conftest import ROOT, script_env
+from conftest import ROOT, run_process
 from tpu_utility import images
 from tpu_utility.images import (IMAGENET_MEAN, IMAGENET_STD, CachedDataset, ImageCsvDataset,
                                 ImageFolderDataset, cache_dataset, denormalize, normalize,
@@ -643,7 +642,6 @@ def test_import_stays_cheap():
             "m = sys.modules['probe'] = importlib.util.module_from_spec(spec); "
             "spec.loader.exec_module(m); "
             "print(sorted(m for m in ('torch', 'PIL', 'numpy', 'torch_xla') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=script_env(), cwd=ROOT, timeout=60)
+    out = run_process([sys.executable, "-c", code], cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

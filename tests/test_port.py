@@ -1,11 +1,10 @@
 """`python -m tpu_utility port`: the project's own CUDA script, an AMP Kaggle-style loop and a
 top-level notebook, each written the way such scripts are written."""
 import json
-import subprocess
 import sys
 import textwrap
 
-from conftest import ROOT, script_env
+from conftest import ROOT, run_process
 
 AMP_SCRIPT = '''\
 import numpy as np
@@ -66,8 +65,8 @@ if __name__ == "__main__":
 
 
 def port(path, cwd):
-    return subprocess.run([sys.executable, "-m", "tpu_utility", "port", str(path)],
-                          capture_output=True, text=True, env=script_env(), cwd=cwd, timeout=120)
+    return run_process([sys.executable, "-m", "tpu_utility", "port", str(path)], cwd=cwd,
+                       timeout=120)
 
 
 def test_port_of_the_project_script_gives_the_swapped_script(tmp_path):
@@ -109,8 +108,8 @@ def test_port_of_an_amp_loop_swaps_what_is_safe_and_lists_the_rest(tmp_path):
     assert "line 20: `loss.item()` reads the device every step" in todo
     assert "line 30: results indexed by batch size" in todo and "tu.gather" in todo
     # The ported script runs on XLA (one core here: its valid() still indexes by batch size).
-    run = subprocess.run([sys.executable, "-c", ported.replace("cores=8", "cores=1")],
-                         capture_output=True, text=True, env=script_env(), cwd=tmp_path, timeout=300)
+    run = run_process([sys.executable, "-c", ported.replace("cores=8", "cores=1")], cwd=tmp_path,
+                      timeout=300)
     assert run.returncode == 0, run.stderr
     assert "'preds': (256, 4)" in run.stdout
     assert sorted(p.name for p in tmp_path.glob("model_*.pt")) == ["model_0.pt", "model_1.pt"]
