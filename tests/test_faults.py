@@ -208,25 +208,36 @@ def wait_for(predicate, timeout):
     return predicate()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
-def test_replicas_and_their_workers_die_with_the_caller(tmp_path, sig):
+def test_replicas_and_their_workers_die_with_the_caller(tmp_path):
     script = tmp_path / "caller.py"
     script.write_text(textwrap.dedent(CALLER_SCRIPT))
-    caller = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=script_env(),
-                              cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # One caller per signal, side by side (each is mostly waiting): SIGKILL, which no
+    # handler sees, SIGTERM (timeout, a VM's shutdown) and SIGINT (Ctrl-C).
+    callers, below = {}, {}
     try:
-        # Two replicas training, each with its DataLoader worker.
-        assert wait_for(lambda: len(list(tmp_path.glob("replica-*"))) == 2
-                        and len(descendants(caller.pid)) >= 4, 120)
+        for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):
+            folder = tmp_path / sig.name
+            folder.mkdir()
+            callers[sig] = subprocess.Popen([sys.executable, str(script), str(folder)],
+                                            env=script_env(), cwd=folder,
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # Two replicas training in each, each replica with its DataLoader worker.
+        assert wait_for(lambda: all(len(list((tmp_path / sig.name).glob("replica-*"))) == 2
+                                    and len(descendants(c.pid)) >= 4
+                                    for sig, c in callers.items()), 120)
         time.sleep(0.5)
-        below = descendants(caller.pid)
-        caller.send_signal(sig)
-        caller.wait(timeout=30)
+        for sig, caller in callers.items():
+            below[sig] = descendants(caller.pid)
+            caller.send_signal(sig)
+        for caller in callers.values():
+            caller.wait(timeout=30)
         # Dead within a few seconds, DataLoader workers included (they notice their
         # replica is gone within torch's 5 s watchdog period).
-        assert wait_for(lambda: not alive(below), 15), f"left after {sig.name}: {alive(below)}"
+        assert wait_for(lambda: not alive(sum(below.values(), [])), 15), \
+            {sig.name: alive(pids) for sig, pids in below.items() if alive(pids)}
     finally:
-        kill_all(caller, locals().get("below", []))
+        for sig, caller in callers.items():
+            kill_all(caller, below.get(sig, []))
 
 
 def kill_all(caller, below):
