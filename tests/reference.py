@@ -12,10 +12,12 @@ import torch.nn as nn
 from cuda_train import make_dataset, make_model
 
 
-def reference_train(epochs=3, global_batch=64, lr=1e-3, seed=0):
+def reference_train(epochs=3, global_batch=64, lr=1e-3, seed=0, sgd=False):
+    """`sgd=True`: plain SGD, whose step is proportional to the gradient, so that a sum of
+    the replicas' gradients instead of their mean shows (Adam normalises the scale away)."""
     torch.manual_seed(0)
     model = make_model()
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    opt = (torch.optim.SGD if sgd else torch.optim.Adam)(model.parameters(), lr=lr)
     x, y = make_dataset().tensors
     losses = []
     for epoch in range(epochs):

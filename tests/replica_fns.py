@@ -49,6 +49,24 @@ def one_cycle(epochs=2, batch=32, max_lr=3e-3):
             "preds": tu.predict(model, valid_ds, batch_size=16), "world": tu.world_size()}
 
 
+SGD_LR = 0.5
+
+
+def sgd_loop(epochs=3, batch_size=64):
+    """examples/tpu_train.py's loop with plain SGD (see reference_train(sgd=True))."""
+    device = tu.get_device()
+    torch.manual_seed(0)
+    model = make_model().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    loader = tu.make_loader(make_dataset(), batch_size=batch_size)
+    for epoch in range(epochs):
+        for x, y in loader:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            tu.optimizer_step(opt)
+    return {"state": model.state_dict()}
+
+
 def seeded_loop(out_dir):
     """The swapped hand-written loop, but each replica seeds itself differently."""
     torch.manual_seed(100 + tu.rank())
@@ -75,16 +93,29 @@ class NoisyModel(nn.Module):
 
 
 def seeded_one_cycle(out_dir):
-    """train_one_cycle and lr_find on models that each replica seeded differently."""
+    """train_one_cycle alone, on models that each replica seeded differently: its own
+    broadcast must make the buffer agree (the first optimizer step broadcasts only the
+    parameters)."""
     torch.manual_seed(200 + tu.rank())
+    model = NoisyModel().to(tu.get_device())
+    first = params(model)
+    train_ds, _ = split()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    tu.train_one_cycle(model, tu.make_loader(train_ds, 32), opt, F.cross_entropy, 1, progress=False)
+    keep(out_dir, "one_cycle", {"first": first, "last": params(model)})
+
+
+def seeded_lr_find(out_dir):
+    """lr_find alone, on models that each replica seeded differently. It gives the model
+    back as it found it after the master's was broadcast, so each replica's own weights
+    afterwards show whether the sweep ran on the master's model."""
+    torch.manual_seed(300 + tu.rank())
     model = NoisyModel().to(tu.get_device())
     first = params(model)
     train_ds, _ = split()
     found = tu.lr_find(model, tu.make_loader(train_ds, 16), torch.optim.SGD(model.parameters(), lr=0.1),
                        F.cross_entropy, num_it=30)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    tu.train_one_cycle(model, tu.make_loader(train_ds, 32), opt, F.cross_entropy, 1, progress=False)
-    keep(out_dir, "one_cycle", {"first": first, "last": params(model), "lr_find": found.raw_losses})
+    keep(out_dir, "lr_find", {"first": first, "last": params(model), "raw": found.raw_losses})
 
 
 def count_writes(prefix):

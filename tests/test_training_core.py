@@ -24,7 +24,7 @@ def test_one_core_trains_and_matches_cpu_reference(run_script):
 def test_eight_cores_spmd_matches_cpu_reference_over_global_batches(run_script):
     proc = run_script("""
         import json, torch, torch_xla, torch_xla.runtime as xr
-        import tpu_utility as tu, tpu_train
+        import tpu_utility as tu, tpu_train, replica_fns
         from reference import reference_train, max_param_diff
 
         def probe():
@@ -41,7 +41,11 @@ def test_eight_cores_spmd_matches_cpu_reference_over_global_batches(run_script):
             info = tu.run(probe, cores=8)
             out = tu.run(tpu_train.train_fn, cores=8)
             ref = reference_train(global_batch=64 * 8)
+            # Plain SGD: its step scales with the gradient, which must be the global batch's mean.
+            sgd = tu.run(replica_fns.sgd_loop, cores=8)
+            sgd_ref = reference_train(global_batch=64 * 8, lr=replica_fns.SGD_LR, sgd=True)
             print("RESULT", json.dumps(dict(info, diff=max_param_diff(out["state"], ref["state"]),
+                sgd_diff=max_param_diff(sgd["state"], sgd_ref["state"]),
                 losses=out["losses"].tolist(), ref_losses=ref["losses"].tolist(),
                 parent_runtime=torch_xla._XLAC._xla_runtime_is_initialized())))
     """)
@@ -51,8 +55,9 @@ def test_eight_cores_spmd_matches_cpu_reference_over_global_batches(run_script):
     assert "devices=[8,1]" in r["sharding"], r["sharding"]  # batch dim split over 8 devices
     assert abs(r["lr"] - 8e-3) < 1e-12
     assert r["diff"] < 1e-5, r["diff"]
+    assert r["sgd_diff"] < 1e-5, r["sgd_diff"]
     assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) < 1e-4
-    # Two short 8-core runs, quietly: no XLA line per compile or per batch.
+    # Three short 8-core runs, quietly: no XLA line per compile or per batch.
     print(f"8-core runs' stderr: {len(proc.stderr.splitlines())} lines")
     assert len(proc.stderr.splitlines()) <= 2, proc.stderr
 

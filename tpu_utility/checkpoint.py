@@ -36,12 +36,25 @@ class Preempted(SystemExit):
     to resume. A SystemExit, so `except Exception` in user code does not swallow it and a
     script ends with status 1 and this message.
 
-    Example:
-        >>> import tpu_utility as tu
+    Example (the loss function sends the SIGTERM a VM's shutdown notice would):
+        >>> import os, signal, tempfile, torch, tpu_utility as tu
+        >>> ds = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+        >>> def loss_fn(out, y, calls=[0]):
+        ...     calls[0] += 1
+        ...     if calls[0] == 3:
+        ...         os.kill(os.getpid(), signal.SIGTERM)
+        ...     return torch.nn.functional.cross_entropy(out, y)
+        >>> model = torch.nn.Linear(4, 2).to(tu.get_device())
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        >>> path = os.path.join(tempfile.mkdtemp(), "run.pt")
         >>> try:
-        ...     pass  # tu.train_one_cycle(..., checkpoint="run.pt") in a cell
+        ...     tu.train_one_cycle(model, tu.make_loader(ds, 16, num_workers=0), opt, loss_fn, 2,
+        ...                        checkpoint=path, progress=False)
         ... except tu.Preempted as e:
-        ...     print(e)  # "stopped by SIGTERM after step ..."; rerun the cell to resume
+        ...     print(str(e).split(";")[0])
+        train_one_cycle: stopped by SIGTERM after step 3 of 8 (epoch 1 of 2)
+        >>> os.path.exists(path)  # the same call, in a new process, resumes after step 3
+        True
     """
 
 
