@@ -1,5 +1,7 @@
 """The converted CUDA script (examples/tpu_train.py) on 1 XLA device, on 8 SPMD devices
-and without torch_xla, each against a plain CPU torch reference."""
+and without torch_xla, each against a plain CPU torch reference; the loader's order and
+what its samples draw."""
+import torch
 
 
 def test_one_core_trains_and_matches_cpu_reference(run_script):
@@ -131,3 +133,60 @@ def test_conversion_is_the_documented_handful_of_lines():
     assert len([l for l in changed if l.startswith("+")]) <= 5, changed
     for line in changed:  # the README shows this diff
         assert line[1:].strip() in readme, line
+
+
+class _Drawing(torch.utils.data.Dataset):
+    """A row plus noise from torch's, Python's and numpy's generators."""
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        import random
+        import numpy as np
+        return torch.full((2,), float(i)) + torch.rand(2) + random.random() + float(np.random.rand())
+
+
+def _batches(loader, epochs=2):
+    out = []
+    for epoch in range(epochs):  # the torch DataLoader make_loader feeds from: no device
+        loader.sampler.set_epoch(epoch)
+        out.append([b.clone() for b in loader])
+    return out
+
+
+def test_what_a_sample_draws_depends_on_its_batch_not_on_workers_and_the_caller_keeps_its_stream():
+    import random
+    import tpu_utility as tu
+    random.seed(7)
+    torch.manual_seed(7)
+    expected = (random.random(), torch.rand(1).item())
+    random.seed(7)
+    torch.manual_seed(7)
+    no_workers = _batches(tu.make_loader(_Drawing(), 4, seed=3, num_workers=0).loader)
+    assert (random.random(), torch.rand(1).item()) == expected  # loading here left them as they were
+    workers = _batches(tu.make_loader(_Drawing(), 4, seed=3, num_workers=2).loader)
+    assert all(torch.equal(a, b) for e0, e1 in zip(no_workers, workers) for a, b in zip(e0, e1))
+    flat = torch.cat(no_workers[0] + no_workers[1])
+    assert len(set(flat[:, 0].sub(flat[:, 0].floor()).tolist())) == len(flat)  # fresh noise each sample
+    other_seed = _batches(tu.make_loader(_Drawing(), 4, seed=4, num_workers=0).loader)
+    assert not torch.equal(torch.cat(other_seed[0]), torch.cat(no_workers[0]))
+
+
+def test_datasets_known_to_draw_no_random_numbers():
+    from torch.utils.data import ConcatDataset, Subset, TensorDataset
+    from tpu_utility.data import PaddedDataset, draws_no_randomness
+    from tpu_utility.images import CachedDataset
+    tensors = TensorDataset(torch.zeros(4, 2))
+
+    class Jittered(TensorDataset):
+        def __getitem__(self, i):
+            return super().__getitem__(i)[0] + torch.randn(2)
+
+    assert draws_no_randomness(tensors) and draws_no_randomness([1, 2])
+    assert draws_no_randomness(Subset(PaddedDataset(ConcatDataset([tensors, tensors]), 3), [0, 1]))
+    assert draws_no_randomness(CachedDataset.__new__(CachedDataset))
+    assert not draws_no_randomness(Jittered(torch.zeros(4, 2)))
+    assert not draws_no_randomness(_Drawing())
+    assert not draws_no_randomness(ConcatDataset([tensors, _Drawing()]))
+    assert not draws_no_randomness(Subset(_Drawing(), [0]))

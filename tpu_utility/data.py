@@ -26,10 +26,11 @@ class DeviceLoader:
     load raises its own exception (noting the dataset index) in the training code, even
     where torch_xla loads batches in a thread that would otherwise end the epoch quietly.
 
-    Loading is reproducible: while sample i of epoch e loads, Python's, numpy's and torch's
-    CPU random generators are seeded from (seed, e, i), in a DataLoader worker or not, so
-    augmentations do not depend on the worker count, on prefetching, or on where a resumed
-    epoch starts. `state_dict()` / `load_state_dict()` carry the epoch and the batches of
+    Loading is reproducible: while a batch of epoch e loads, Python's, numpy's and torch's
+    CPU random generators are seeded from (seed, e, the batch's place in the epoch), in a
+    DataLoader worker or not, so augmentations do not depend on the worker count, on
+    prefetching, or on where a resumed epoch starts. Datasets that draw no random numbers
+    (see `draws_no_randomness`) load without seeding. `state_dict()` / `load_state_dict()` carry the epoch and the batches of
     it already consumed (what `save_state` and `train_one_cycle(checkpoint=)` keep).
     """
 
@@ -128,7 +129,7 @@ class DeviceLoader:
                                               drop_last=self.drop_last))
         workers = self.num_workers
         if workers is None:
-            workers = default_workers(engine.local_replicas)
+            workers = default_workers(engine.local_replicas, self.dataset)
         # No persistent workers: a valid loader's workers, forked while the train loader's
         # stay alive, inherit its iterator and fail on it at exit.
         kwargs = {**engine.loader_options(workers), **self.loader_kwargs}
@@ -256,8 +257,9 @@ def _exit_later(signum, frame) -> None:
 
 
 class _Sampler:
-    """A DistributedSampler's indices as (epoch, index), so a sample's loading can be
-    seeded by both; a resumed epoch starts after the samples already consumed."""
+    """A DistributedSampler's indices as (epoch, index, place in the epoch's global order),
+    so a batch's loading can be seeded by its epoch and place; a resumed epoch starts after
+    the samples already consumed."""
 
     def __init__(self, sampler):
         self.sampler = sampler
@@ -271,29 +273,41 @@ class _Sampler:
 
     def __iter__(self):
         epoch = self.sampler.epoch
-        indices = list(self.sampler)
+        replicas, rank = self.sampler.num_replicas, self.sampler.rank
+        keys = [(epoch, i, k * replicas + rank) for k, i in enumerate(self.sampler)]
         if self.resume[0] == epoch:
-            indices = indices[self.resume[1]:]
-        return iter([(epoch, i) for i in indices])
+            keys = keys[self.resume[1]:]
+        return iter(keys)
 
 
 class _Loading:
-    """The dataset as the DataLoader reads it: each sample loads under random generators
-    seeded by (seed, epoch, index); a failing sample's exception notes its index; with
-    `skip` the next sample that loads takes its place (static shapes)."""
+    """The dataset as the DataLoader reads it: each batch loads under random generators
+    seeded by (seed, epoch, the place of its first sample in the epoch); a failing
+    sample's exception notes its index; with `skip` the next sample that loads takes its
+    place (static shapes).
+
+    Seeding costs tens of µs (and saving and restoring the generators as much again), so
+    it is paid once per batch, which the DataLoader loads whole in one worker (through
+    `__getitems__`), and not at all for datasets that draw no random numbers."""
 
     MAX_TRIES = 64
 
     def __init__(self, dataset, real_len: int, skip: bool, seed: int = 0):
         self.dataset, self.real_len, self.skip, self.seed = dataset, real_len, skip, seed
+        self.seeds = not draws_no_randomness(dataset)
 
     def __len__(self) -> int:
         return len(self.dataset)
 
+    def __getitems__(self, keys: list) -> list:
+        if not self.seeds:
+            return [self._load(key[1]) for key in keys]
+        epoch, _, place = keys[0]
+        with _seeded(((self.seed * 1_000_003 + epoch) * 1_000_003 + place) % 2 ** 63):
+            return [self._load(key[1]) for key in keys]
+
     def __getitem__(self, key):
-        epoch, i = key if isinstance(key, tuple) else (0, key)
-        with _seeded(((self.seed * 1_000_003 + epoch) * 1_000_003 + i) % 2 ** 63):
-            return self._load(i)
+        return self.__getitems__([key if isinstance(key, tuple) else (0, key, key)])[0]
 
     def _load(self, i: int):
         try:
@@ -315,7 +329,7 @@ class _Loading:
         raise first
 
 
-# Held while a sample loads outside a worker (num_workers=0: the XLA feed's thread) with the
+# Held while a batch loads outside a worker (num_workers=0: the XLA feed's thread) with the
 # global generators seeded for it, so a checkpoint never reads or sets them half way.
 RNG_LOCK = threading.RLock()
 
@@ -399,7 +413,26 @@ class PaddedDataset:
         return self.dataset[i % self.n], i < self.n
 
 
-def default_workers(replicas_per_host: int = 1) -> int:
+def draws_no_randomness(dataset) -> bool:
+    """Whether indexing `dataset` is known to draw no random numbers: tensors in memory
+    (`TensorDataset`), lists, `Subset`s and `ConcatDataset`s of such, and classes that say
+    so with a class attribute `draws_no_randomness = True` (`CachedDataset`). make_loader
+    neither seeds the generators for them nor gives them DataLoader workers by default."""
+    from torch.utils.data import ConcatDataset, Subset, TensorDataset
+    kind = type(dataset)
+    if getattr(kind, "draws_no_randomness", False) is True or kind in (list, tuple):
+        return True
+    if kind.__getitem__ is TensorDataset.__getitem__:
+        return True
+    if isinstance(dataset, (Subset, PaddedDataset)) and kind.__getitem__ in (
+            Subset.__getitem__, PaddedDataset.__getitem__):
+        return draws_no_randomness(dataset.dataset)
+    if isinstance(dataset, ConcatDataset) and kind.__getitem__ is ConcatDataset.__getitem__:
+        return all(draws_no_randomness(d) for d in dataset.datasets)
+    return False
+
+
+def default_workers(replicas_per_host: int = 1, dataset=None) -> int:
     """DataLoader workers per replica: the host's cores shared out, 0 when under 2."""
     n = min(4, (os.cpu_count() or 1) // max(1, replicas_per_host))
     return n if n >= 2 else 0

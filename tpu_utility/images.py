@@ -449,6 +449,8 @@ class CachedDataset:
         (5, 4, 4)
     """
 
+    draws_no_randomness = True  # rows read back: make_loader need not seed for them
+
     def __init__(self, path: str, manifest: dict):
         self.path, self.manifest = path, manifest
         self.samples: int = manifest["samples"]
