@@ -190,3 +190,12 @@ def test_datasets_known_to_draw_no_random_numbers():
     assert not draws_no_randomness(_Drawing())
     assert not draws_no_randomness(ConcatDataset([tensors, _Drawing()]))
     assert not draws_no_randomness(Subset(_Drawing(), [0]))
+
+
+def test_default_workers_none_for_rows_in_memory_the_cores_otherwise():
+    import os
+    import tpu_utility as tu
+    assert tu.make_loader(torch.utils.data.TensorDataset(torch.zeros(40, 2)), 4).loader.num_workers == 0
+    cores = min(4, os.cpu_count() or 1)
+    assert tu.make_loader(_Drawing(), 4).loader.num_workers == (cores if cores >= 2 else 0)
+    assert tu.make_loader(_Drawing(), 4, num_workers=1).loader.num_workers == 1

@@ -433,7 +433,12 @@ def draws_no_randomness(dataset) -> bool:
 
 
 def default_workers(replicas_per_host: int = 1, dataset=None) -> int:
-    """DataLoader workers per replica: the host's cores shared out, 0 when under 2."""
+    """DataLoader workers per replica: none for a dataset that only reads rows (in memory
+    or a cache: a worker adds a fork per epoch and a copy per batch, and lost 40% at 8
+    SPMD devices on 2 cores, benchmarks/bench_workers.py); otherwise the host's cores
+    shared out, at most 4, and none when under 2 (one worker lost to none there)."""
+    if dataset is not None and draws_no_randomness(dataset):
+        return 0
     n = min(4, (os.cpu_count() or 1) // max(1, replicas_per_host))
     return n if n >= 2 else 0
 
@@ -458,6 +463,10 @@ def make_loader(data, batch_size: Optional[int] = None, *, train: bool = True,
     noted). `skip_errors=True` replaces it with the next sample that loads instead, so
     batches keep their shape, and warns at the end of the epoch with the count and the
     indices (`loader.skipped` lists them).
+
+    `num_workers` unset: no DataLoader workers for data that only reads rows
+    (`TensorDataset`, a `cache_dataset` cache: workers only add copies there), otherwise
+    the host's cores per replica, at most 4 (none under 2).
 
     Example:
         >>> import torch, tpu_utility as tu
