@@ -16,11 +16,15 @@ def bench(name, *args):
 def test_bench_distributed_smoke():
     out = bench("bench_distributed.py", "--samples", "1024", "--epochs", "1", "--rounds", "1",
                 "--worlds", "1", "2")
-    rows = [line.split("|") for line in out.splitlines() if line.startswith("| 1 ") or line.startswith("| 2 ")]
-    assert len(rows) == 2
-    for row in rows:  # same weights, batches and averaged gradients: the same final loss
-        ours, ddp = row[6].split("/")
-        assert abs(float(ours) - float(ddp)) < 1e-3, row
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.splitlines()
+            if line.startswith(("| 1 ", "| 2 "))]
+    assert len(rows) == 6, out
+    losses = {(int(row[0]), row[1]): float(row[5]) for row in rows}
+    variants = ["tu (num_workers=0)", "tu (default workers)", "DDP"]
+    assert sorted(losses) == sorted((w, v) for w in (1, 2) for v in variants), out
+    for w in (1, 2):  # same weights, batches and averaged gradients: the same final loss
+        for v in variants[:2]:
+            assert abs(losses[w, v] - losses[w, "DDP"]) < 1e-3, out
 
 
 def test_bench_memory_smoke():
@@ -47,3 +51,27 @@ def test_bench_checkpoint_smoke():
     assert row[6].strip() == "0/0", out
     off, on = (int(n) for n in row[7].strip().split("/"))
     assert on == off + 1, out
+
+
+def test_bench_training_smoke():
+    # 1024 samples: 16 steps per epoch at cores=1 (batch 64), 2 at cores=8 (SPMD, 512)
+    out = bench("bench_training.py", "--cores", "1,8", "--workers", "0", "--samples", "1024",
+                "--epochs", "1", "--rounds", "1", "--log-every", "1000")
+    variants = ["hand-written", "swapped loop", "train_one_cycle"]
+    rows, cores = {}, None
+    for line in out.splitlines():
+        if line.startswith("### cores="):
+            cores = int(line.split("=")[1].split(",")[0])
+        cells = [cell.strip() for cell in line.split("|")[1:-1]]
+        if cells and cells[0] in variants:
+            rows[cores, cells[0]] = cells
+    assert sorted(rows) == sorted((c, v) for c in (1, 8) for v in variants), out
+    for (c, v), cells in rows.items():
+        assert cells[1] == "0", out  # workers used
+        assert cells[6] == "0", out  # compiles in the timed call: all compiled in the warm-up
+        # reads per timed epoch: the epoch's mean loss, and the log point at step 1 (no
+        # other: log_every 1000 > the steps), the same for the loops and train_one_cycle
+        assert float(cells[7]) == 2.0, out
+    for c in (1, 8):  # same initial weights, permutation and schedule: the same final loss
+        losses = [float(rows[c, v][9]) for v in variants]
+        assert max(losses) - min(losses) < 1e-4, out
