@@ -110,7 +110,7 @@ def train_fn(cache, epochs, workers, copy_into_ram, length, hold_s):
             # glibc's heap, and that growth, not the data, would dominate the figures.
             F.cross_entropy(model(x[..., ::8, ::8].float()), y).backward()
             tu.optimizer_step(opt)
-        seen.update(i for _, i in loader.loader.sampler)  # this replica's (epoch, index) pairs
+        seen.update(key[1] for key in loader.loader.sampler)  # this replica's (epoch, index, place)
     current().barrier()  # every replica has finished training
     hold = time.time()
     time.sleep(hold_s)  # hold the final state, workers alive, for the sampler to see
