@@ -118,18 +118,20 @@ class DeviceLoader:
         replicas, rank = engine.shard()
         per_step = engine.per_step_batch(self.per_core_batch_size)
         dataset = self.dataset
+        rows_only = draws_no_randomness(dataset)  # no seeding, no workers by default
         if len(dataset) == 0:
             raise ValueError("make_loader: the dataset is empty (0 samples)")
         if self.pad:  # a whole number of full global batches: static shapes, no padding by the sampler
             dataset = PaddedDataset(dataset, self.per_core_batch_size * engine.world_size)
-        dataset = _Loading(dataset, len(self.dataset), self.skip_errors, self.seed)
+        dataset = _Loading(dataset, len(self.dataset), self.skip_errors, self.seed,
+                           seeds=not rows_only)
         # One sampler for every engine, so all see the same permutation (seed + epoch).
         sampler = _Sampler(DistributedSampler(dataset, num_replicas=replicas, rank=rank,
                                               shuffle=self.shuffle, seed=self.seed,
                                               drop_last=self.drop_last))
         workers = self.num_workers
         if workers is None:
-            workers = default_workers(engine.local_replicas, self.dataset)
+            workers = default_workers(engine.local_replicas, rows_only)
         # No persistent workers: a valid loader's workers, forked while the train loader's
         # stay alive, inherit its iterator and fail on it at exit.
         kwargs = {**engine.loader_options(workers), **self.loader_kwargs}
@@ -292,9 +294,9 @@ class _Loading:
 
     MAX_TRIES = 64
 
-    def __init__(self, dataset, real_len: int, skip: bool, seed: int = 0):
+    def __init__(self, dataset, real_len: int, skip: bool, seed: int = 0, seeds: bool = True):
         self.dataset, self.real_len, self.skip, self.seed = dataset, real_len, skip, seed
-        self.seeds = not draws_no_randomness(dataset)
+        self.seeds = seeds
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -432,12 +434,13 @@ def draws_no_randomness(dataset) -> bool:
     return False
 
 
-def default_workers(replicas_per_host: int = 1, dataset=None) -> int:
+def default_workers(replicas_per_host: int = 1, rows_only: bool = False) -> int:
     """DataLoader workers per replica: none for a dataset that only reads rows (in memory
-    or a cache: a worker adds a fork per epoch and a copy per batch, and lost 40% at 8
-    SPMD devices on 2 cores, benchmarks/bench_workers.py); otherwise the host's cores
-    shared out, at most 4, and none when under 2 (one worker lost to none there)."""
-    if dataset is not None and draws_no_randomness(dataset):
+    or a cache: a worker adds a fork per epoch and a copy per batch, and 1 or 2 of them ran
+    at 0.72-0.80x of none at 8 SPMD devices on 2 cores, benchmarks/bench_workers.py);
+    otherwise the host's cores shared out, at most 4, and none when under 2 (one worker
+    lost to none there)."""
+    if rows_only:
         return 0
     n = min(4, (os.cpu_count() or 1) // max(1, replicas_per_host))
     return n if n >= 2 else 0
