@@ -2,6 +2,7 @@
 parameters and History compared with a run that was never interrupted."""
 import functools
 import os
+import shutil
 import signal
 import threading
 import time
@@ -97,6 +98,21 @@ def test_killed_replica_resumes_to_the_uninterrupted_result(tmp_path, uninterrup
     print(f"hand loop, 2 replicas: max parameter difference after resuming {hand_diff:.2e}")
     assert hand_diff == 0.0
     assert child_processes() == []
+
+
+def test_a_checkpoint_written_by_the_old_loop_code_resumes_to_the_same_end(tmp_path, uninterrupted):
+    # tests/fixtures/old_checkpoint.pt was written at commit e44f8de, before the loop moved
+    # to tpu_utility/loop/ (tests/fixtures/make_old_checkpoint.py): the on-disk layout must
+    # still resume, to where the uninterrupted run ends.
+    path = str(tmp_path / "ckpt.pt")
+    shutil.copy(os.path.join(os.path.dirname(__file__), "fixtures", "old_checkpoint.pt"), path)
+    assert saved_place(path) == (40, 8, False)
+    res = run(rf.one_cycle, 2, path, None, 2, 5)
+    diff = max_param_diff(uninterrupted["state"], res["state"])
+    print(f"old checkpoint: max parameter difference after resuming {diff:.2e}")
+    assert diff < 1e-6  # written under torch 2.9: another torch may round its steps apart
+    assert res["history"]["lrs"] == uninterrupted["history"]["lrs"]
+    assert len(res["history"]["epochs"]) == 2 and saved_place(path)[2] is True
 
 
 def test_killed_run_with_workers_resumes_to_the_run_without_them(tmp_path, uninterrupted):
