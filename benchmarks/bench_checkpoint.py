@@ -45,7 +45,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import tpu_utility as tu  # noqa: E402
-from tpu_utility.reporting import xla_counts  # noqa: E402
+from tpu_utility.compat import xla_counts  # noqa: E402
 
 
 def normalized(batch):

@@ -39,7 +39,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 import tpu_utility as tu  # noqa: E402
-from tpu_utility.reporting import xla_counts  # noqa: E402
+from tpu_utility.compat import xla_counts  # noqa: E402
 
 
 def timed(fn, repeats):

@@ -77,7 +77,7 @@ def make_images(root, count, width=640, height=480):
     jobs = [(os.path.join(folder, f"{i}.jpg"), label, n, width, height) for n, (i, label) in enumerate(rows)]
     t = time.perf_counter()
     with get_context("fork").Pool(os.cpu_count()) as pool:
-        for _ in tu.reporting.progress_bar(pool.imap_unordered(draw_image, jobs, chunksize=16), total=len(jobs)):
+        for _ in tu.progress.progress_bar(pool.imap_unordered(draw_image, jobs, chunksize=16), total=len(jobs)):
             pass
     with open(csv_path + ".tmp", "w", newline="") as f:  # written last: its presence means done
         csv.writer(f).writerows([("id", "label")] + rows)

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tpu_utility as tu
-from tpu_utility.reporting import xla_counts
+from tpu_utility.compat import xla_counts
 
 N, BATCH = 256, 4  # per core: 64 steps an epoch at 1 core, 32 at 2, 8 at 8
 

@@ -5,7 +5,7 @@ COMMON = """
     import json, os, sys, torch, torch.nn.functional as F
     from torch.utils.data import DataLoader, TensorDataset
     import tpu_utility as tu
-    from tpu_utility.reporting import xla_counts
+    from tpu_utility.compat import xla_counts
     from cuda_train import make_dataset, make_model
 
     EPOCHS, N, BATCH = 2, 256, 32

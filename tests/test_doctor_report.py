@@ -167,7 +167,7 @@ KAGGLE_LOOP = """
     # not split evenly: it is replicated, and a scatter_ over it (which aborts XLA's SPMD
     # partitioner on uneven shards) gives the CPU's counts.
     def reads():
-        from tpu_utility.reporting import xla_counts
+        from tpu_utility.compat import xla_counts
         ds = data(83)
         loader = tu.make_loader(ds, 3, train=False, num_workers=0)  # 24 rows x 3, then 11
         out, counts = [], torch.zeros(3, device=tu.get_device())

@@ -20,7 +20,7 @@ COMMON = """
     import json, math, os, sys, warnings, torch, torch.nn as nn, torch.nn.functional as F
     from torch.utils.data import Dataset, Subset, TensorDataset
     import tpu_utility as tu
-    from tpu_utility.reporting import xla_counts
+    from tpu_utility.compat import xla_counts
     from cuda_train import make_dataset, make_model
 
     class Bad(Dataset):

@@ -17,7 +17,7 @@ COMMON = """
     import json, math, os, sys, torch, torch.nn as nn, torch.nn.functional as F
     from torch.utils.data import Subset, TensorDataset
     import tpu_utility as tu
-    from tpu_utility.reporting import xla_counts
+    from tpu_utility.compat import xla_counts
     from cuda_train import make_dataset, make_model
 
     def split(n_train=1024, n_valid=203):

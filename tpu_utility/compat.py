@@ -135,3 +135,22 @@ def supports_gpu(torch_xla_version: Optional[str]) -> bool:
     except ValueError:
         return False
     return (major, minor) < (2, 9)
+
+
+def xla_counts() -> dict:
+    """Compiles, compile seconds, executions and device-to-host transfers so far.
+
+    Zeros when torch_xla is not in use; reading them never starts the runtime.
+    """
+    if "torch_xla" not in sys.modules:
+        return {"compiles": 0, "compile_s": 0.0, "executions": 0, "transfers": 0}
+    met = importlib.import_module("torch_xla.debug.metrics")
+
+    def count(name):
+        data = met.metric_data(name)
+        return (data[0], data[1]) if data else (0, 0)
+
+    compiles, compile_ns = count("CompileTime")
+    executions = count("ExecuteTime")[0] + count("ExecuteReplicatedTime")[0]  # the latter: SPMD
+    return {"compiles": compiles, "compile_s": compile_ns / 1e9, "executions": executions,
+            "transfers": count("TransferFromDeviceTime")[0]}

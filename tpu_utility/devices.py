@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ._tree import map_tensors
 from .engines import current, in_run
 
 
@@ -164,17 +165,3 @@ def to_cpu(obj: Any) -> Any:
         from .compat import cpu_copies
         moved = {id(t): c for t, c in zip(xla, cpu_copies(xla))}
     return map_tensors(obj, lambda t: moved[id(t)] if id(t) in moved else t.detach().cpu())
-
-
-def map_tensors(o: Any, fn) -> Any:
-    """`o` with `fn` applied to every tensor in it (nested dicts, lists, tuples, namedtuples)."""
-    import torch
-    if isinstance(o, torch.Tensor):
-        return fn(o)
-    if isinstance(o, dict):
-        return type(o)((k, map_tensors(v, fn)) for k, v in o.items())
-    if isinstance(o, tuple) and hasattr(o, "_fields"):
-        return type(o)(*(map_tensors(v, fn) for v in o))
-    if isinstance(o, (list, tuple)):
-        return type(o)(map_tensors(v, fn) for v in o)
-    return o

@@ -177,7 +177,7 @@ def presize_images(src: Union[PathLike, Sequence[PathLike]], dst: PathLike, size
         if not fresh:
             os.makedirs(os.path.dirname(out), exist_ok=True)
             todo.append((path, out, tuple(options.values())))
-    from .reporting import progress_bar
+    from .progress import progress_bar
     results = _presize_all(todo, min(workers, len(todo)))
     failures = sorted((path, error) for path, error in progress_bar(
         results, total=len(todo), enabled=progress and bool(todo)) if error is not None)
@@ -654,7 +654,7 @@ def cache_dataset(dataset, path: PathLike, *, copies: int = 1, key: str = "",
 def _write_cache(dataset, tmp, n, copies, key, workers, progress) -> dict:
     import itertools
     import numpy as np
-    from .reporting import progress_bar
+    from .progress import progress_bar
     rows = n * copies
     if workers == 0:  # row c * n + i is copy c of sample i
         samples = (dataset[i] for _ in range(copies) for i in range(n))

@@ -19,7 +19,8 @@ from .engines import current, in_run
 from .compat import runtime_started
 from .environment import in_notebook, xla_version
 from .files import atomic_write, check_writable
-from .reporting import plot_lines, xla_counts
+from .compat import xla_counts
+from .plots import plot_lines
 from .schedules import no_special_scalar, sched_exp
 from .training import as_loader, autocast_context, forward, split_batch
 

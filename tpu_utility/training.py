@@ -23,7 +23,9 @@ from .data import DeviceLoader, make_loader
 from .devices import get_device, is_master, optimizer_step, sync, to_cpu
 from .engines import current
 from .files import atomic_write, check_writable
-from .reporting import EpochTable, plot_lines, xla_counts
+from .compat import xla_counts
+from .plots import plot_lines
+from .progress import EpochTable
 from .schedules import check_one_cycle, no_special_scalar, one_cycle
 
 
@@ -691,5 +693,5 @@ def plot_history(history: History, path: str) -> str:
     img = Image.new("RGB", (top.width, top.height + bottom.height), "white")
     img.paste(top, (0, 0))
     img.paste(bottom, (0, top.height))
-    from .reporting import save_png
+    from .plots import save_png
     return save_png(img, path)

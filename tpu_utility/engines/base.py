@@ -5,6 +5,8 @@ import contextlib
 from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional,
                     Sequence, Tuple)
 
+from .._tree import map_tensors
+
 if TYPE_CHECKING:
     import torch
     from ..environment import TpuInfo
@@ -190,7 +192,6 @@ class _ToDevice:
         self.loader, self.device = loader, device
 
     def __iter__(self):
-        from ..devices import map_tensors
         for batch in self.loader:
             yield map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
 
