@@ -29,7 +29,8 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from tpu_utility.images import ImageFolderDataset, cache_dataset, presize_images  # noqa: E402
+from tpu_utility.cache import cache_dataset  # noqa: E402
+from tpu_utility.images import ImageFolderDataset, presize_images  # noqa: E402
 
 SIZE = 224
 DATA_VERSION = "v1"  # bump when make_image changes, so old images are regenerated

@@ -8,7 +8,7 @@ virtual devices on XLA:CPU), one fresh `tu.run` child per run, with `num_workers
 and unset (make_loader's default), over three datasets:
 
 - `tensors`: a `TensorDataset` in memory;
-- `cache`: the same rows written by `tu.images.cache_dataset` and read back memory-mapped;
+- `cache`: the same rows written by `tu.cache.cache_dataset` and read back memory-mapped;
 - `decoding`: each sample costs `--work-us` µs of CPU (a stand-in for decoding an image)
   and draws noise from torch's generator.
 
@@ -40,7 +40,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import tpu_utility as tu  # noqa: E402
-from tpu_utility.images import cache_dataset  # noqa: E402
+from tpu_utility.cache import cache_dataset  # noqa: E402
 from workload import LR, make_dataset, make_model  # noqa: E402
 
 

@@ -14,10 +14,10 @@ import torch
 from PIL import Image, ImageFile, ImageOps
 
 from conftest import ROOT, run_process
-from tpu_utility import images
-from tpu_utility.images import (IMAGENET_MEAN, IMAGENET_STD, CachedDataset, ImageCsvDataset,
-                                ImageFolderDataset, cache_dataset, denormalize, normalize,
-                                open_cache, presize_images, show_batch)
+from tpu_utility import cache
+from tpu_utility.cache import CachedDataset, cache_dataset, open_cache
+from tpu_utility.images import (IMAGENET_MEAN, IMAGENET_STD, ImageCsvDataset, ImageFolderDataset,
+                                denormalize, normalize, presize_images, show_batch)
 
 
 def gradient(w, h, seed=0):
@@ -460,14 +460,14 @@ def test_unwritable_cache_path_fails_before_reading_samples(tmp_path):
 
 
 def test_disk_full_mid_build_leaves_nothing_that_looks_like_a_cache(tmp_path, monkeypatch):
-    real, calls = images._write_sample, []
+    real, calls = cache._write_sample, []
 
     def fail_on_fifth(files, arrays):
         calls.append(1)
         if len(calls) == 5:
             raise OSError(errno.ENOSPC, "No space left on device")
         real(files, arrays)
-    monkeypatch.setattr(images, "_write_sample", fail_on_fifth)
+    monkeypatch.setattr(cache, "_write_sample", fail_on_fifth)
     path = tmp_path / "c"
     with pytest.raises(OSError) as err:
         cache_dataset(Rich(), path, progress=False)
@@ -476,9 +476,9 @@ def test_disk_full_mid_build_leaves_nothing_that_looks_like_a_cache(tmp_path, mo
     with pytest.raises(FileNotFoundError, match="no cache at"):
         open_cache(path)
     # A failed rebuild keeps the old, complete cache.
-    monkeypatch.setattr(images, "_write_sample", real)
+    monkeypatch.setattr(cache, "_write_sample", real)
     cache_dataset(Rich(), path, key="old", progress=False)
-    monkeypatch.setattr(images, "_write_sample", fail_on_fifth)
+    monkeypatch.setattr(cache, "_write_sample", fail_on_fifth)
     calls.clear()
     with pytest.raises(OSError):
         cache_dataset(Rich(), path, key="new", rebuild=True, progress=False)
@@ -499,7 +499,7 @@ def test_real_write_error_from_the_kernel(run_script, tmp_path):
     # the middle of a build, in a subprocess so the limit binds nothing else.
     proc = run_script(f"""
         import json, os, resource, signal, torch
-        from tpu_utility.images import cache_dataset, open_cache
+        from tpu_utility.cache import cache_dataset, open_cache
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
         ds = [(torch.full((3, 32, 32), i % 256, dtype=torch.uint8), i) for i in range(200)]
@@ -531,7 +531,8 @@ def test_cache_through_make_loader_on_eight_spmd_devices(run_script, tmp_path):
     ref = sorted((int(x.to(torch.int64).sum()), y) for x, y in (ds[i] for i in range(len(ds))))
     proc = run_script(f"""
         import json, torch, tpu_utility as tu
-        from tpu_utility.images import normalize, open_cache
+        from tpu_utility.cache import open_cache
+        from tpu_utility.images import normalize
 
         def train_fn(path):
             loader = tu.make_loader(open_cache(path, key="k"), batch_size=2, num_workers=2)
@@ -635,12 +636,9 @@ def test_show_batch_grid_from_dataset_and_loader(tmp_path):
 
 
 def test_import_stays_cheap():
-    # Load images.py on its own (not through the package __init__, which other modules
-    # share): importing it must not pull in torch, Pillow, numpy or torch_xla.
-    code = ("import importlib.util, sys; "
-            f"spec = importlib.util.spec_from_file_location('probe', {images.__file__!r}); "
-            "m = sys.modules['probe'] = importlib.util.module_from_spec(spec); "
-            "spec.loader.exec_module(m); "
+    # Importing the package with its image and cache modules must not pull in torch,
+    # Pillow, numpy or torch_xla.
+    code = ("import sys, tpu_utility, tpu_utility.images, tpu_utility.cache; "
             "print(sorted(m for m in ('torch', 'PIL', 'numpy', 'torch_xla') if m in sys.modules))")
     out = run_process([sys.executable, "-c", code], cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stderr

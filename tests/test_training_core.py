@@ -176,7 +176,7 @@ def test_what_a_sample_draws_depends_on_its_batch_not_on_workers_and_the_caller_
 def test_datasets_known_to_draw_no_random_numbers():
     from torch.utils.data import ConcatDataset, Subset, TensorDataset
     from tpu_utility.data import PaddedDataset, draws_no_randomness
-    from tpu_utility.images import CachedDataset
+    from tpu_utility.cache import CachedDataset
     tensors = TensorDataset(torch.zeros(4, 2))
 
     class Jittered(TensorDataset):

@@ -5,8 +5,9 @@ from .data import make_loader
 from .devices import (get_device, is_master, master_print, optimizer_step, rank, scale_lr_bs,
                       sync, to_cpu, world_size)
 from .environment import doctor, setup_tpu
-from .images import (CachedDataset, ImageCsvDataset, ImageFolderDataset, PresizeReport,
-                     cache_dataset, denormalize, normalize, open_cache, presize_images, show_batch)
+from .cache import CachedDataset, cache_dataset, open_cache
+from .images import (ImageCsvDataset, ImageFolderDataset, PresizeReport, denormalize, normalize,
+                     presize_images, show_batch)
 from .launcher import ReplicasExited, run
 from .lr_finder import lr_find
 from .reporting import report
