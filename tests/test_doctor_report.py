@@ -91,7 +91,7 @@ def test_report_hints(run_script):
 
 def test_history_hints():
     from tpu_utility.reporting import XlaReport, hints
-    from tpu_utility.training import EpochStats, History
+    from tpu_utility.loop import EpochStats, History
 
     def epoch(i, compiles, transfers):
         return EpochStats(i, 1.0, None, {}, 1e-3, 1.0, 100.0, compiles, transfers)

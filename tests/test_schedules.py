@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from tpu_utility.lr_finder import (divergence_end, minimum, slide, smooth_losses, steep,
+from tpu_utility.loop.suggest import (divergence_end, minimum, slide, smooth_losses, steep,
                                    suggestions, valley)
 from tpu_utility.schedules import no_special_scalar, one_cycle, sched_cos, sched_exp
 

@@ -215,16 +215,10 @@ BAD_INPUT_SCRIPT = COMMON + """
                 errors[name] = None
             except Exception as e:
                 errors[name] = f"{type(e).__name__}: {e}"
-        attempt("epochs", lambda: tu.train_one_cycle(model, loader, opt, F.cross_entropy, 0))
         attempt("empty", lambda: tu.train_one_cycle(model, Subset(train_ds, []), opt, F.cross_entropy, 1))
         attempt("few", lambda: tu.train_one_cycle(model, tu.make_loader(Subset(train_ds, range(10)), 32), opt, F.cross_entropy, 1))
-        adagrad = torch.optim.Adagrad(model.parameters(), lr=1e-2)
-        attempt("no_momentum", lambda: tu.train_one_cycle(model, loader, adagrad, F.cross_entropy, 1, progress=False))
-        attempt("fp16", lambda: tu.train_one_cycle(model, loader, opt, F.cross_entropy, 1, precision="fp16"))
         nan_loss = lambda out, y: F.cross_entropy(out, y) * float("nan")
         attempt("nan_train", lambda: tu.train_one_cycle(model, loader, opt, nan_loss, 1, progress=False))
-        attempt("lr_order", lambda: tu.lr_find(model, loader, opt, F.cross_entropy, start_lr=1.0, end_lr=1e-3))
-        attempt("num_it", lambda: tu.lr_find(model, loader, opt, F.cross_entropy, num_it=5))
         attempt("nan_find", lambda: tu.lr_find(model, loader, opt, nan_loss))
         fresh = make_model().to(dev)  # the NaN runs above left NaN weights behind
         adagrad = torch.optim.Adagrad(fresh.parameters(), lr=1e-2)
@@ -237,15 +231,12 @@ BAD_INPUT_SCRIPT = COMMON + """
 
 
 def test_bad_input_gets_a_clear_error(run_script):
+    # Refusals of the arguments alone (epochs, momentum, fp16, lr_find's range and num_it)
+    # are in test_loop_parts.py, without XLA; these need the data or the device.
     e = run_script(BAD_INPUT_SCRIPT).result
-    assert e["epochs"].startswith("ValueError") and "epochs must be" in e["epochs"]
     assert "train_loader is empty" in e["empty"] or "0 samples" in e["empty"]
     assert "10 samples make no full batch of 32" in e["few"]
-    assert "neither `momentum` nor `betas`" in e["no_momentum"] and "moms=None" in e["no_momentum"]
-    assert "fp16" in e["fp16"] and "bf16" in e["fp16"]
     assert e["nan_train"].startswith("FloatingPointError") and "first step" in e["nan_train"]
-    assert "start_lr < end_lr" in e["lr_order"]
-    assert "num_it must be" in e["num_it"] and "30" in e["num_it"]
     assert e["nan_find"].startswith("FloatingPointError") and "first step" in e["nan_find"]
     assert e["moms_none_ok"] is None
 

@@ -1,6 +1,6 @@
 """tpu_utility: run a functional PyTorch CUDA script on one TPU core or on all of them."""
 from .amp import GradScaler, autocast
-from .checkpoint import Preempted, load_state, save_state
+from .checkpoint import load_state, save, save_state
 from .data import make_loader
 from .devices import (get_device, is_master, master_print, optimizer_step, rank, scale_lr_bs,
                       sync, to_cpu, world_size)
@@ -9,9 +9,9 @@ from .cache import CachedDataset, cache_dataset, open_cache
 from .images import (ImageCsvDataset, ImageFolderDataset, PresizeReport, denormalize, normalize,
                      presize_images, show_batch)
 from .launcher import ReplicasExited, run
-from .lr_finder import lr_find
+from .loop import accuracy, gather, lr_find, predict, train_one_cycle
+from .preemption import Preempted
 from .reporting import report
-from .training import accuracy, gather, predict, save, train_one_cycle
 
 __all__ = ["setup_tpu", "get_device", "optimizer_step", "make_loader", "scale_lr_bs", "run",
            "train_one_cycle", "lr_find", "predict", "save", "accuracy", "master_print",

@@ -29,11 +29,25 @@ def autocast(enabled: bool = True) -> ContextManager:
         >>> with tu.autocast():
         ...     y = torch.nn.Linear(4, 4).to(tu.get_device())(torch.ones(2, 4, device=tu.get_device()))
     """
-    from .training import autocast_context
     device = current().device()
     if not enabled or device.type == "cpu":
         return contextlib.nullcontext()
     return autocast_context("fp16" if device.type == "cuda" else "bf16", device)
+
+
+def autocast_context(precision: str, device) -> ContextManager:
+    """The precision policy of the loops' `precision=` argument on `device`."""
+    import torch
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    if precision == "fp16":
+        if device.type in ("xla", "tpu"):
+            raise ValueError("precision='fp16' is not supported on TPUs (they have no fast "
+                             "fp16, and there is no loss scaling here): use precision='bf16'")
+        return torch.autocast(device.type, dtype=torch.float16)
+    raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp16', got {precision!r}")
 
 
 def GradScaler(**kwargs: Any):  # noqa: N802 (named like the class it replaces)

@@ -1,15 +1,15 @@
 """Data: the swap for `DataLoader(...)` that shards, reshuffles and feeds the device."""
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
 import threading
 import warnings
 import weakref
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
+from .checks import check_int
 from .engines import current
+from .rng import seeded
 
 
 class DeviceLoader:
@@ -305,7 +305,7 @@ class _Loading:
         if not self.seeds:
             return [self._load(key[1]) for key in keys]
         epoch, _, place = keys[0]
-        with _seeded(((self.seed * 1_000_003 + epoch) * 1_000_003 + place) % 2 ** 63):
+        with seeded(((self.seed * 1_000_003 + epoch) * 1_000_003 + place) % 2 ** 63):
             return [self._load(key[1]) for key in keys]
 
     def __getitem__(self, key):
@@ -329,40 +329,6 @@ class _Loading:
         _note(first, f"(loading dataset index {i % self.real_len}; skip_errors=True found no "
                      f"sample that loads among the next {min(n, self.MAX_TRIES) - 1})")
         raise first
-
-
-# Held while a batch loads outside a worker (num_workers=0: the XLA feed's thread) with the
-# global generators seeded for it, so a checkpoint never reads or sets them half way.
-RNG_LOCK = threading.RLock()
-
-
-@contextlib.contextmanager
-def _seeded(seed: int):
-    """Python's, numpy's and torch's CPU generators seeded with `seed` inside the block. In
-    a DataLoader worker they are the worker's own; elsewhere (num_workers=0) the caller's
-    states come back afterwards, so the training's random stream is untouched."""
-    import random
-    import torch
-    from torch.utils.data import get_worker_info
-    np = sys.modules.get("numpy")
-    restore = get_worker_info() is None
-    if restore:
-        RNG_LOCK.acquire()
-        saved = (random.getstate(), torch.default_generator.get_state(),
-                 np.random.get_state() if np is not None else None)
-    random.seed(seed)
-    torch.default_generator.manual_seed(seed)
-    if np is not None:
-        np.random.seed(seed % 2 ** 32)
-    try:
-        yield
-    finally:
-        if restore:
-            random.setstate(saved[0])
-            torch.default_generator.set_state(saved[1])
-            if np is not None:
-                np.random.set_state(saved[2])
-            RNG_LOCK.release()
 
 
 def _note(e: BaseException, text: str) -> None:
@@ -488,8 +454,7 @@ def make_loader(data, batch_size: Optional[int] = None, *, train: bool = True,
         if shuffle is None and not train:
             shuffle = isinstance(data.sampler, RandomSampler)
         data = data.dataset
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int (per core), got {batch_size!r}")
+    check_int(batch_size, "batch_size", why=" (per core)")
     if isinstance(data, torch.utils.data.IterableDataset):
         raise TypeError("make_loader needs a map-style Dataset (with __len__ and __getitem__) "
                         "so it can shard it over replicas; convert the IterableDataset to a list "

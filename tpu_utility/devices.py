@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ._tree import map_tensors
+from .checks import check_int
 from .engines import current, in_run
 
 
@@ -133,10 +134,8 @@ def scale_lr_bs(lr: float, batch_size: int, cores: Optional[int] = None,
             from .environment import setup_tpu
             info = setup_tpu(verbose=False)
             cores = info.num_devices if info.has_xla else max(1, info.cuda_devices)
-    if not isinstance(cores, int) or cores < 1:
-        raise ValueError(f"cores must be a positive int, got {cores!r}")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int (per core), got {batch_size!r}")
+    check_int(cores, "cores")
+    check_int(batch_size, "batch_size", why=" (per core)")
     factor = cores if rule == "linear" else math.sqrt(cores)
     out = Scaled(lr * factor, batch_size, batch_size * cores, cores)
     if verbose:

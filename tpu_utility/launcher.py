@@ -23,11 +23,12 @@ import traceback
 from typing import Any, Callable, Optional, Sequence
 
 from . import engines
-from .checkpoint import Preempted, StopBoard, on_sigterm
 from .children import die_with_parent
+from .compat import runtime_started
 from .devices import to_cpu
-from .environment import in_notebook, setup_tpu
+from .environment import in_notebook, setup_tpu, xla_version
 from .files import atomic_write
+from .preemption import Preempted, StopBoard, on_sigterm, sharing
 
 _POLL_S = 0.5
 _PREEMPT_GRACE_S = 120.0  # from SIGTERM to the replicas' final checkpoint and exit
@@ -124,6 +125,26 @@ def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), 
         finally:
             _stop(procs)
             shutil.rmtree(outbox, ignore_errors=True)
+
+
+def must_isolate() -> bool:
+    """Whether a one-device job called here must run in a child process: outside `run`,
+    with torch_xla installed and its runtime not started in this process. A notebook
+    kernel that started it could not start a later multi-core `run`."""
+    return not engines.in_run() and bool(xla_version()) and not runtime_started()
+
+
+def run_isolated(fn: Callable, args: tuple, *, start_method: Optional[str], who: str,
+                 what: str, named: dict) -> Any:
+    """`fn(*args)` on one device in a child process (see `must_isolate`): forked in a
+    notebook, else spawned, after checking that the `named` objects can reach it."""
+    start_method = start_method or ("fork" if in_notebook() else "spawn")
+    problem = start_method == "spawn" and pickling_problem(named)
+    if problem:
+        raise ValueError(f"{who}: {problem}, so it cannot reach the process that runs {what}. "
+                         f"Define it at module level (not a lambda or a nested function), or "
+                         f"pass start_method='fork'.")
+    return run(fn, cores=1, args=args, start_method=start_method)
 
 
 def _check_run_arguments(train_fn, args, start_method, timeout) -> tuple:
@@ -308,9 +329,8 @@ def _process_main(cls, setup, cores, local_rank, nprocs, train_fn, args, results
 
 def _replica_main(train_fn, args, results, outbox, board, engine) -> None:
     import torch
-    engine.stop_board = board
     try:
-        with engines.activate(engine):
+        with sharing(board), engines.activate(engine):
             out = to_cpu(train_fn(*args))
             path = None
             if engine.rank == 0:  # before the others leave: a result that cannot travel says so

@@ -1,4 +1,4 @@
-"""PNG plots drawn with Pillow (no matplotlib): line plots, and a History's curves."""
+"""PNG plots drawn with Pillow (no matplotlib): line plots, and a training History's curves."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -74,3 +74,22 @@ def plot_lines(series: dict, path: Optional[str] = None, *, title: str = "", xla
 def save_png(img, path: str) -> str:
     """Write a PIL image as PNG atomically (temporary name, then rename)."""
     return atomic_write(path, lambda f: img.save(f, format="PNG"))
+
+
+def plot_history(history, path: str) -> str:
+    """Loss curves (per epoch and logged steps) over steps, and the lr schedule, as one PNG."""
+    from PIL import Image
+    steps = len(history.lrs) // max(1, len(history.epochs))
+    losses = {"train (epoch)": ([(e.epoch + 1) * steps for e in history.epochs],
+                                [e.train_loss for e in history.epochs])}
+    if history.logged:
+        losses["train (logged)"] = ([s for s, _ in history.logged], [v for _, v in history.logged])
+    if history.epochs and history.epochs[0].valid_loss is not None:
+        losses["valid"] = ([(e.epoch + 1) * steps for e in history.epochs], [e.valid_loss for e in history.epochs])
+    top = plot_lines(losses, title="loss", xlabel="step", ylabel="loss")
+    bottom = plot_lines({"lr": (list(range(len(history.lrs))), history.lrs)},
+                        title="learning rate", xlabel="step")
+    img = Image.new("RGB", (top.width, top.height + bottom.height), "white")
+    img.paste(top, (0, 0))
+    img.paste(bottom, (0, top.height))
+    return save_png(img, path)

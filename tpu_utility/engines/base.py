@@ -29,7 +29,6 @@ class Engine:
     replicas: int = 1
     rank: int = 0
     local_replicas: int = 1  # replicas on this host, which share its CPU cores
-    stop_board: Any = None  # checkpoint.StopBoard: where replicas agree on a SIGTERM stop
 
     # -- the launching side: classmethods, run in the caller; none starts a runtime ----------
 

@@ -117,9 +117,9 @@ class Distributed(Engine):
         import torch.distributed as dist
         out = [t.detach().clone() for t in tensors]
         for bucket in _buckets(out):
-            flat = _flatten(bucket)
+            flat = _concat(bucket)
             dist.all_reduce(flat)
-            _unflatten(flat, bucket)
+            _copy_back(flat, bucket)
         return out
 
     def _all_gather(self, tensor):
@@ -133,9 +133,9 @@ class Distributed(Engine):
     def _broadcast(self, tensors) -> None:
         import torch.distributed as dist
         for bucket in _buckets(tensors):
-            flat = _flatten(bucket)
+            flat = _concat(bucket)
             dist.broadcast(flat, src=0)
-            _unflatten(flat, bucket)
+            _copy_back(flat, bucket)
 
     def _barrier(self) -> None:
         import torch.distributed as dist
@@ -146,12 +146,12 @@ class Distributed(Engine):
         grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
         pending = []
         for bucket in _buckets(grads):  # every bucket in flight at once
-            flat = _flatten(bucket)
+            flat = _concat(bucket)
             pending.append((dist.all_reduce(flat, async_op=True), flat, bucket))
         for work, flat, bucket in pending:
             work.wait()
             flat /= self.replicas
-            _unflatten(flat, bucket)
+            _copy_back(flat, bucket)
 
 
 def _buckets(tensors):
@@ -168,12 +168,14 @@ def _buckets(tensors):
         yield bucket
 
 
-def _flatten(bucket):
+def _concat(bucket):
+    """A bucket of tensors as one flat tensor: one collective instead of one each."""
     import torch
     return torch.cat([t.reshape(-1) for t in bucket]) if len(bucket) > 1 else bucket[0].detach().reshape(-1).clone()
 
 
-def _unflatten(flat, bucket) -> None:
+def _copy_back(flat, bucket) -> None:
+    """The reduced flat tensor's slices back into the bucket's tensors."""
     offset = 0
     for t in bucket:
         t.copy_(flat[offset:offset + t.numel()].view_as(t))

@@ -1,0 +1,245 @@
+"""LR finder: an exponential learning-rate sweep built on the loop's own step and lr writer.
+
+The sweep keeps every loss on the device and reads them back once, at the end. A
+divergence flag, computed on the device, is read every `check_every` steps. Called at
+the top of a notebook (outside `run`, XLA runtime not started), the sweep runs in a
+child process (the launcher's policy), so the kernel stays free for a later
+`run(train_fn, cores=8)`.
+"""
+from __future__ import annotations
+
+import copy
+import io
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+from ..amp import autocast_context
+from ..checks import check_int
+from ..compat import xla_counts
+from ..devices import get_device, is_master, optimizer_step, sync, to_cpu
+from ..engines import current
+from ..files import atomic_write, check_writable
+from ..launcher import must_isolate, run_isolated
+from ..plots import plot_lines
+from ..schedules import no_special_scalar, sched_exp
+from .batch import as_loader, train_step
+from .hypers import Hypers
+from .suggest import SUGGESTIONS, divergence_end, smooth_losses, suggestions
+
+MIN_NUM_IT = 30  # 10% and the last 5 points are dropped, and `slide` compares points 15 apart
+
+
+@dataclass
+class LRFindResult:
+    """The sweep: lrs, raw and smoothed losses, suggestions by name, and the plot as PNG."""
+
+    lrs: List[float]
+    losses: List[float]  # smoothed (debiased EMA), as plotted and used by the suggestions
+    raw_losses: List[float]
+    suggestions: Dict[str, Optional[float]]
+    stopped_early: bool
+    png: bytes = b""
+    compiles: int = 0
+    transfers: int = 0
+    plot: Optional[str] = None  # the PNG's path, when one was asked for
+
+    @property
+    def suggestion(self) -> Optional[float]:
+        """The default suggestion, `valley`."""
+        return self.suggestions.get("valley")
+
+    def _repr_png_(self):  # a notebook shows the result as its plot
+        return self.png or None
+
+
+@dataclass(frozen=True)
+class _Sweep:
+    """lr_find's settings, checked."""
+
+    start_lr: float
+    end_lr: float
+    num_it: int
+    check_every: int
+    stop_div: bool
+    beta: float
+    suggest: tuple
+    batch_fn: Optional[Callable]
+    precision: str
+
+    def lr_at(self, pos: float) -> float:
+        return sched_exp(self.start_lr, self.end_lr, pos)
+
+
+def lr_find(model, train_loader, opt, loss_fn: Callable, start_lr: float = 1e-7,
+            end_lr: float = 10.0, num_it: int = 100, *, check_every: int = 10,
+            stop_div: bool = True, beta: float = 0.98, suggest: Sequence[str] = SUGGESTIONS,
+            batch_fn: Optional[Callable] = None, precision: str = "fp32",
+            plot: Optional[str] = None, start_method: Optional[str] = None) -> LRFindResult:
+    """Sweep the lr from `start_lr` to `end_lr` over `num_it` steps and suggest one.
+
+    Model and optimizer come back exactly as they were. The loss is smoothed with a
+    debiased moving average (`beta`), and with `stop_div` the sweep stops once it passes
+    4x its minimum or goes NaN. Suggestions (fastai's): `valley` (the default; the middle
+    of the longest descent), `steep` (steepest slope), `minimum` (the minimum / 10) and
+    `slide` (where the slope flattens, coming back from the end). `plot=path` also saves
+    the PNG. Inside `run` every replica gets the same result.
+
+    Example:
+        >>> import torch, tpu_utility as tu
+        >>> ds = torch.utils.data.TensorDataset(torch.randn(256, 4), torch.randint(0, 2, (256,)))
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> res = tu.lr_find(model, tu.make_loader(ds, 16, num_workers=0), opt,
+        ...                  torch.nn.functional.cross_entropy, num_it=40, start_method="fork")
+        >>> sorted(res.suggestions)
+        ['minimum', 'slide', 'steep', 'valley']
+    """
+    s = _check(start_lr, end_lr, num_it, check_every, suggest,
+               dict(stop_div=stop_div, beta=beta, batch_fn=batch_fn, precision=precision))
+    loader = as_loader(train_loader, train=True, name="train_loader")
+    if is_master():
+        check_writable(plot, "plot")  # before the sweep, not after it
+    if must_isolate():
+        result = run_isolated(_sweep_moved, (model, loader, opt, loss_fn, s), start_method=start_method,
+                              who="lr_find", what="the sweep",
+                              named={"model": model, "train_loader": loader, "opt": opt,
+                                     "loss_fn": loss_fn, "batch_fn": batch_fn})
+    elif next(model.parameters()).device.type != get_device().type:
+        # Sweep a copy on the device: moving the user's model would orphan their optimizer.
+        model_copy, opt_copy = copy.deepcopy((model, opt))
+        result = _sweep_moved(model_copy, loader, opt_copy, loss_fn, s)
+    else:
+        result = _sweep_in_place(model, loader, opt, loss_fn, s)
+    if plot is not None and is_master():
+        try:
+            result.plot = atomic_write(plot, lambda f: f.write(result.png))
+        except OSError as e:  # the sweep is done: never lose it to a file
+            warnings.warn(f"lr_find: could not write plot={plot!r} ({e}); the result is "
+                          f"returned without it (result.png holds the image)", RuntimeWarning)
+    return result
+
+
+def _check(start_lr, end_lr, num_it, check_every, suggest, rest: dict) -> _Sweep:
+    """Every refusal of lr_find's arguments, before any work."""
+    if not (0 < start_lr < end_lr):
+        raise ValueError(f"need 0 < start_lr < end_lr, got start_lr={start_lr:g}, end_lr={end_lr:g}")
+    check_int(num_it, "num_it", low=MIN_NUM_IT,
+              why=" (the suggestions drop the first 10% and the last 5 points)")
+    check_int(check_every, "check_every")
+    unknown = set(suggest) - set(SUGGESTIONS)
+    if unknown:
+        raise ValueError(f"unknown suggestions {sorted(unknown)}: choose from {SUGGESTIONS}")
+    return _Sweep(start_lr, end_lr, num_it, check_every, suggest=tuple(suggest), **rest)
+
+
+def _sweep_moved(model, loader, opt, loss_fn, s: _Sweep) -> LRFindResult:
+    """Move model and optimizer to the device (in a child, or a copy), then sweep."""
+    before = list(model.parameters())
+    model.to(get_device())
+    # Moving to XLA replaces the Parameter objects; rebuild the optimizer on the new ones.
+    moved = dict(zip(map(id, before), model.parameters()))
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [moved[id(p)] for p in g["params"]]} for g in opt.param_groups]
+    new_opt = type(opt)(groups, **opt.defaults)
+    new_opt.load_state_dict(opt.state_dict())
+    return _sweep_in_place(model, loader, new_opt, loss_fn, s)
+
+
+def _sweep_in_place(model, loader, opt, loss_fn, s: _Sweep) -> LRFindResult:
+    """Sweep, then give model and optimizer back exactly as they were."""
+    engine = current()
+    counts0 = xla_counts()
+    engine.sync_module(model)  # every replica sweeps the master's model
+    model_state = {k: v.clone() for k, v in model.state_dict().items()}
+    opt_state = copy.deepcopy(opt.state_dict())
+    was_training = model.training
+    try:
+        losses = _Sweeper(model, opt, loss_fn, s).losses(loader)
+    finally:
+        model.load_state_dict(model_state)
+        opt.load_state_dict(opt_state)
+        model.train(was_training)
+        sync()
+    counts1 = xla_counts()
+    return _result(losses, s, counts1["compiles"] - counts0["compiles"],
+                   counts1["transfers"] - counts0["transfers"])
+
+
+class _Sweeper:
+    """The sweep's steps, with its running values on the device."""
+
+    def __init__(self, model, opt, loss_fn, s: _Sweep):
+        self.model, self.opt, self.loss_fn, self.s = model, opt, loss_fn, s
+        self.engine = current()
+        self.autocast = autocast_context(s.precision, self.engine.device())
+        self.hypers = Hypers(opt, [(s.lr_at, None)] * len(opt.param_groups), None)
+        zeros = self.engine.zeros
+        self.avg, self.best, self.diverged = zeros(()), zeros(()) + math.inf, zeros(()).bool()
+        sync()  # the copies and the running values become data before the first step
+        self.raw: list = []
+        self.stop = False
+
+    def losses(self, loader) -> List[float]:
+        """Every step's loss (averaged over replicas): the sweep's one read."""
+        import torch
+        self.model.train()
+        while len(self.raw) < self.s.num_it and not self.stop:
+            yielded = False
+            it = iter(loader)
+            for batch in it:
+                yielded = True
+                if len(self.raw) >= self.s.num_it or self.stop:
+                    it.close()  # stops the loader's threads and workers
+                    break
+                self._step(batch)
+            if not yielded:  # another pass would yield nothing either: never loop forever
+                raise ValueError(f"lr_find: train_loader yielded no batch ({len(loader)} "
+                                 f"expected)")
+        return to_cpu(torch.stack(self.raw)).tolist()
+
+    def _step(self, batch) -> None:
+        import torch
+        s, engine, i = self.s, self.engine, len(self.raw)
+        self.hypers.set(i / s.num_it)
+        self.opt.zero_grad()
+        loss, _ = train_step(self.model, self.loss_fn, batch, batch_fn=s.batch_fn,
+                             autocast=self.autocast)
+        optimizer_step(self.opt)
+        (loss,) = engine.all_reduce_sum([loss.float() / engine.replicas])
+        self.raw.append(loss)
+        self.avg = self.avg * s.beta + loss * (1 - s.beta)
+        smooth = self.avg / no_special_scalar(1 - s.beta ** (i + 1))
+        self.best = torch.minimum(self.best, smooth)
+        self.diverged = self.diverged | torch.isnan(smooth) | (smooth > 4 * self.best)
+        if s.stop_div and i % s.check_every == 0:
+            engine.after_step(self._check, self.diverged)
+
+    def _check(self, flag) -> None:
+        self.stop = bool(flag.item())
+
+
+def _result(losses: List[float], s: _Sweep, compiles: int, transfers: int) -> LRFindResult:
+    """The curve (cut where it diverged), the suggestions and the plot."""
+    lrs = [no_special_scalar(s.lr_at(i / s.num_it)) for i in range(len(losses))]
+    smooth = smooth_losses(losses, s.beta)
+    end = divergence_end(smooth) if s.stop_div else len(smooth)
+    if all(not math.isfinite(v) for v in smooth[:2]):
+        raise FloatingPointError(
+            f"lr_find: the loss is {losses[0]} from the first step at lr={s.start_lr:g}: check the "
+            f"inputs, the model and the loss function")
+    lrs, smooth, losses = lrs[:end], smooth[:end], losses[:end]
+    result = LRFindResult(lrs, smooth, losses, suggestions(lrs, smooth, s.num_it, s.suggest),
+                          stopped_early=end < s.num_it, compiles=compiles, transfers=transfers)
+    result.png = _plot_png(result)
+    return result
+
+
+def _plot_png(result: LRFindResult) -> bytes:
+    marks = [(v, f"{k} {v:.1e}") for k, v in result.suggestions.items() if v is not None]
+    img = plot_lines({"smoothed loss": (result.lrs, result.losses)}, title="lr_find",
+                     xlabel="learning rate (log)", ylabel="loss", xlog=True, marks=marks)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
