@@ -252,3 +252,73 @@ def test_port_keeps_a_loader_laid_out_over_lines():
                            "    #sampler=BalanceClassSampler(labels, mode='downsampling')\n)\n"
                            "valid_loader = tu.make_loader(valid_ds, batch_size=16, train=False)\n")
     assert [line for line, _ in result.todo] == [1]  # drop_last=False on a training loader
+
+
+# A loop's iterable is read once, before the first batch; a one-line loop's body runs every
+# batch. port's notes and report()'s named lines (costly_calls) must draw the line alike.
+HEADER_SCRIPT = '''\
+import sys
+from tpu_utility.reporting import caller_code
+
+
+def evaluate(model, batches):
+    outputs, total = [], 0.0
+    for x in batches.cpu():  # once: not a read per batch
+        outputs.append(model(x).tolist())
+    for x in batches: total += model(x).sum().item()
+    return outputs, total
+
+
+def sites():
+    evaluate  # report() reads the functions its caller names
+    return caller_code(sys._getframe())[0]
+'''
+
+
+def test_port_and_report_agree_on_what_a_loop_runs_every_batch(tmp_path):
+    import importlib.util
+    from tpu_utility.port import port_source
+    from tpu_utility.source_facts import costly_calls
+    lines = HEADER_SCRIPT.splitlines()
+
+    def at(text):
+        return next(i for i, line in enumerate(lines, 1) if text in line)
+    every_batch = [at(".tolist()"), at(".item()")]
+    assert sorted(line for line, _ in port_source(HEADER_SCRIPT).todo) == every_batch
+    assert [(kind, line) for kind, line, _ in costly_calls(HEADER_SCRIPT)] == \
+        [("cpu", every_batch[0]), ("item", every_batch[1])]
+    # report()'s own path to those lines: the caller's source, read back from its file
+    path = tmp_path / "header_script.py"
+    path.write_text(HEADER_SCRIPT)
+    spec = importlib.util.spec_from_file_location("header_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert [where for _, where, _ in module.sites()] == [f"header_script.py:{n}" for n in every_batch]
+
+
+def test_port_and_report_know_every_spelling_of_torch_grad_scaler():
+    from tpu_utility.port import port_source
+    from tpu_utility.source_facts import costly_calls
+    source = ("import torch\nfrom torch import cuda\n\n\ndef scalers():\n"
+              "    a = torch.cuda.amp.GradScaler()\n    b = cuda.amp.GradScaler()\n    return a, b\n")
+    result = port_source(source)
+    assert "    a = tu.GradScaler()\n    b = tu.GradScaler()\n" in result.text
+    assert result.swaps == [(6, "GradScaler -> tu.GradScaler"), (7, "GradScaler -> tu.GradScaler")]
+    assert [(kind, line) for kind, line, _ in costly_calls(source)] == [("scaler", 6), ("scaler", 7)]
+
+
+def test_source_facts_answer_for_any_node_not_only_a_module():
+    import ast
+    from tpu_utility.port import _Finder
+    from tpu_utility.source_facts import module_facts
+    source = ("def fit(model, dl, opt):\n    for x in dl:\n        model(x).sum().backward()\n"
+              "        seen = x.item()\n    torch.cuda.empty_cache()\n")
+    fn = ast.parse(source).body[0]
+    facts = module_facts(fn)  # a function, as a notebook tool or a test holds one
+    item = next(n for n in ast.walk(fn) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "item")
+    assert facts.inside_loop(item, facts.backward_loops) and not facts.under_if_in_loop(item)
+    assert not facts.inside_loop(ast.parse("x.item()"))  # a node from elsewhere: in no loop
+    finder = _Finder(source.splitlines(keepends=True), facts, set())
+    finder.visit(fn)  # the rules read the facts they were given: no pre-scan to miss
+    assert [line for line, _ in finder.notes.todo] == [4]
+    assert finder.edits.swaps == [(5, "torch.cuda.empty_cache() has no meaning on a TPU: removed")]

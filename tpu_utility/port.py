@@ -16,13 +16,15 @@ import re
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
+from .source_facts import (GRAD_SCALERS, HOST_READS, LOOPS, ModuleFacts, calls, dotted,
+                           mask_magics, method, module_facts)
+
 _DEVICE = "tu.get_device()"
-# Constructors whose result is an optimizer (so `name.step()` is an optimizer step, not a
-# scheduler's): torch.optim's, and the usual third-party ones.
-_OPTIMIZER = re.compile(r"(^|\.)optim\.\w+$|(^|\.)(SGD|Adam\w*|RMSprop|Adagrad|Adadelta|Adamax|"
-                        r"NAdam|RAdam|LBFGS|Lion|LAMB|Lamb|Adafactor)$")
 _NO_TPU_MEANING = {"empty_cache", "reset_peak_memory_stats", "reset_max_memory_allocated",
                    "ipc_collect", "set_device"}
+_LOADERS = ("DataLoader", "torch.utils.data.DataLoader", "data.DataLoader")
+_AUTOCASTS = ("torch.cuda.amp.autocast", "autocast", "amp.autocast")
+_DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 
 @dataclass
@@ -55,13 +57,15 @@ def port_source(source: str, optimizers: Optional[set] = None,
         tu.optimizer_step(opt)
         <BLANKLINE>
     """
-    masked = _mask_magics(source)
-    tree = ast.parse(masked)
-    finder = _Finder(source.splitlines(keepends=True),
-                     optimizers if optimizers is not None else set())
+    tree = ast.parse(mask_magics(source))
+    facts = module_facts(tree)
+    optimizers = optimizers if optimizers is not None else set()
+    optimizers.update(facts.optimizers)
+    finder = _Finder(source.splitlines(keepends=True), facts, optimizers)
     finder.visit(tree)
-    finder.check_structure(tree, train_fns if train_fns is not None else set())
-    return PortResult(_apply(source, finder.edits), sorted(finder.swaps), sorted(finder.todo))
+    finder.notes.check_structure(tree, train_fns if train_fns is not None else set())
+    return PortResult(_apply(source, finder.edits.edits), sorted(finder.edits.swaps),
+                      sorted(finder.notes.todo))
 
 
 def port(path: str, *, write: bool = True) -> PortResult:
@@ -118,19 +122,9 @@ def main(argv: List[str]) -> int:
     return 0
 
 
+
+
 # -- Finding the swaps -------------------------------------------------------------------------
-
-def _dotted(node) -> str:
-    """'torch.cuda.amp.autocast' for that attribute chain; '' if it is not one."""
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        parts.append(node.id)
-        return ".".join(reversed(parts))
-    return ""
-
 
 def _is_cuda_string(node) -> bool:
     return isinstance(node, ast.Constant) and isinstance(node.value, str) and \
@@ -138,54 +132,125 @@ def _is_cuda_string(node) -> bool:
 
 
 def _is_cuda_check(node) -> bool:
-    return isinstance(node, ast.Call) and _dotted(node.func) == "torch.cuda.is_available"
+    return isinstance(node, ast.Call) and dotted(node.func) == "torch.cuda.is_available"
 
 
-class _Finder(ast.NodeVisitor):
-    def __init__(self, lines: List[str], optimizers: set):
+def _is_constant(node, value) -> bool:
+    return isinstance(node, ast.Constant) and node.value is value
+
+
+def _moves_to_cuda(node) -> bool:
+    attr = method(node)
+    return attr == "cuda" and not node.args and not node.keywords and \
+        dotted(node.func) != "torch.cuda" or \
+        attr == "to" and bool(node.args) and _is_cuda_string(node.args[0])
+
+
+def _named(*names):
+    return lambda name, attr: name in names
+
+
+def _method_named(*attrs):
+    return lambda name, attr: attr in attrs
+
+
+def _no_tpu_meaning(name: str, attr: str = "") -> bool:
+    # a prefix, not a list of names: torch.cuda.memory.empty_cache is the same call
+    return name.startswith("torch.cuda.") and name.split(".")[-1] in _NO_TPU_MEANING
+
+
+class _Edits:
+    """The spans spliced into the source and the swaps they make; a span inside one already
+    replaced is left alone, so a rule that matches inside another's result does nothing."""
+
+    def __init__(self, lines: List[str]):
         self.lines = lines
-        self.scopes: list = []  # the function definitions being visited, innermost last
+        self.text = "".join(lines)
         self.edits: List[Tuple[int, int, int, int, str]] = []  # (line, col, end_line, end_col, new)
         self.swaps: List[Tuple[int, str]] = []
-        self.todo: List[Tuple[int, str]] = []
-        self.optimizers = optimizers  # names bound to optimizers
-        self.depth = 0  # function nesting: device work at depth 0 runs before run() forks
-        self.replaced = set()  # spans already replaced, so nested finds do not overlap
-        self.noted_loops = set()  # evaluation loops whose host reads are listed
+        self.replaced: set = set()
 
-    def _replace(self, node, new: str, what: str, span=None) -> bool:
+    def source(self, node) -> str:
+        return ast.get_source_segment(self.text, node)
+
+    def taken(self, node, span=None) -> bool:
+        return any(_inside(span or _span(node), done) for done in self.replaced)
+
+    def replace(self, node, new: str, what: str, span=None) -> bool:
         span = span or _span(node)
-        if any(_inside(span, done) for done in self.replaced):
+        if self.taken(node, span):
             return False
         self.replaced.add(span)
         self.edits.append((*span, new))
         self.swaps.append((node.lineno, what))
         return True
 
-    def visit_Expr(self, node):
-        call = node.value
-        if isinstance(call, ast.Call) and _dotted(call.func).startswith("torch.cuda.") and \
-                _dotted(call.func).split(".")[-1] in _NO_TPU_MEANING:
-            self._remove(node, f"{_dotted(call.func)}() has no meaning on a TPU: removed")
-            return
-        if self.depth == 0 and isinstance(call, ast.Call) and self._moves_to_cuda(call):
-            # `model.cuda()` on its own line at the top: the model stays on the CPU (see
-            # _to_device), so the statement has nothing left to do
-            if self._remove(node, f".{call.func.attr}() at the top level -> stays on the CPU"):
-                self._top_level_move_note(node.lineno, call.func.attr)
-            return
-        self.generic_visit(node)
-
-    def _remove(self, stmt, what: str) -> bool:
-        """Delete a statement's lines; `pass` where it is alone in its block or shares a line."""
+    def remove(self, stmt, what: str, alone: bool) -> bool:
+        """Delete a statement's lines; `pass` where it is `alone` in its block or shares a line."""
         first, last = self.lines[stmt.lineno - 1], self.lines[stmt.end_lineno - 1]
         shares_line = first.encode()[:stmt.col_offset].strip() or \
             last.encode()[stmt.end_col_offset:].split(b"#")[0].strip()
-        if id(stmt) in self.alone or shares_line:
-            return self._replace(stmt, "pass", what)
+        if alone or shares_line:
+            return self.replace(stmt, "pass", what)
         end = (stmt.end_lineno + 1, 0) if stmt.end_lineno < len(self.lines) else \
             (stmt.end_lineno, len(last.encode()))
-        return self._replace(stmt, "", what, span=(stmt.lineno, 0, *end))
+        return self.replace(stmt, "", what, span=(stmt.lineno, 0, *end))
+
+    def rewrite_call(self, node, func: str, dropped: list, added: str) -> None:
+        """The callee becomes `func`, the `dropped` arguments go with their commas and
+        `added` is appended: small edits, so a call laid out over lines keeps its layout
+        and comments. The call's span is not taken: its arguments may still be swapped."""
+        arguments = sorted(node.args + node.keywords, key=lambda a: (a.lineno, a.col_offset))
+        kept = [a for a in arguments if a not in dropped]
+        self.edits.append((*_span(node.func), func))
+        i = 0
+        while i < len(arguments):  # each run of dropped arguments goes with its commas
+            if arguments[i] in kept:
+                i += 1
+                continue
+            j = i
+            while j + 1 < len(arguments) and arguments[j + 1] not in kept:
+                j += 1
+            if j + 1 < len(arguments):  # up to the next kept argument
+                span = (*_span(arguments[i])[:2], arguments[j + 1].lineno, arguments[j + 1].col_offset)
+            elif i > 0:  # the last ones: from the end of the kept one before
+                span = (*_span(arguments[i - 1])[2:], *_span(arguments[j])[2:])
+            else:
+                span = (*_span(arguments[i])[:2], *_span(arguments[j])[2:])
+            self.edits.append((*span, ""))
+            i = j + 1
+        if added:
+            end = _span(kept[-1])[2:] if kept else _span(node)[2:]
+            self.edits.append((*end, *end, f", {added}" if kept else added))
+
+
+class _Finder(ast.NodeVisitor):
+    """The swaps: a rule per kind of call (`_RULES`) or statement, each a small edit."""
+
+    def __init__(self, lines: List[str], facts: ModuleFacts, optimizers: set):
+        self.facts = facts
+        self.edits = _Edits(lines)
+        self.notes = _Notes(self.edits, facts)
+        self.loaders = _Loaders(self.edits, self.notes, facts)
+        self.optimizers = optimizers  # names bound to optimizers
+        self.scopes: list = []  # the function definitions being visited, innermost last
+        self.depth = 0  # function nesting: device work at depth 0 runs before run() forks
+
+    def visit_Expr(self, node):
+        call = node.value
+        name = dotted(call.func) if isinstance(call, ast.Call) else ""
+        if _no_tpu_meaning(name):
+            self._remove(node, f"{name}() has no meaning on a TPU: removed")
+        elif self.depth == 0 and isinstance(call, ast.Call) and _moves_to_cuda(call):
+            # `model.cuda()` on its own line at the top: the model stays on the CPU (see
+            # _to_device), so the statement has nothing left to do
+            if self._remove(node, f".{call.func.attr}() at the top level -> stays on the CPU"):
+                self.notes.top_level_move(node.lineno, call.func.attr)
+        else:
+            self.generic_visit(node)
+
+    def _remove(self, stmt, what: str) -> bool:
+        return self.edits.remove(stmt, what, alone=id(stmt) in self.facts.alone)
 
     def visit_If(self, node):
         # if use_cuda: device = torch.device("cuda") / else: device = torch.device("cpu")
@@ -204,15 +269,6 @@ class _Finder(ast.NodeVisitor):
 
     visit_AsyncFunctionDef = visit_FunctionDef
 
-    def _device(self, node, what: str, new: str = _DEVICE) -> None:
-        if self._replace(node, new, what) and self.depth == 0:
-            self.todo.append((node.lineno, "the device is chosen at the top level, which starts the "
-                              "XLA runtime in this process: run(cores=8) then refuses; call "
-                              "tu.get_device() inside the training function instead"))
-
-    def _source(self, node) -> str:
-        return ast.get_source_segment("".join(self.lines), node)
-
     def visit_IfExp(self, node):
         # "cuda" if torch.cuda.is_available() else "cpu"
         if _is_cuda_check(node.test) and _is_cuda_string(node.body):
@@ -221,278 +277,262 @@ class _Finder(ast.NodeVisitor):
         self.generic_visit(node)
 
     def visit_Call(self, node):
-        name = _dotted(node.func)
-        attr = node.func.attr if isinstance(node.func, ast.Attribute) else None
-        if name == "torch.device" and node.args and (
-                _is_cuda_string(node.args[0]) or isinstance(node.args[0], ast.IfExp)
-                and (_is_cuda_check(node.args[0].test) or _is_cuda_string(node.args[0].body))):
-            self._device(node, "torch.device('cuda') -> tu.get_device()")
-        elif name == "torch.device" and node.args and not isinstance(node.args[0], (ast.Constant, ast.IfExp)):
-            self.todo.append((node.lineno, f"`{self._source(node)}` takes the device from a "
-                              f"setting: where it names cuda, use tu.get_device()"))
-        elif name == "torch.accelerator.current_accelerator":
-            self._device(node, "torch.accelerator.current_accelerator() -> tu.get_device()")
-        elif name in ("torch.cuda.is_available", "torch.accelerator.is_available") and \
-                not any(_inside(_span(node), done) for done in self.replaced):
-            self.todo.append((node.lineno, f"{name}() is False on a TPU host: what the script does "
-                              f"only with a GPU (its device; loader options such as shuffle or "
-                              f"pin_memory) will not happen there; decide each by hand "
-                              f"(tu.get_device() for the device)"))
-        elif self._moves_to_cuda(node):
-            self._to_device(node, attr)
-        elif attr == "step" and isinstance(node.func.value, ast.Name) and \
-                node.func.value.id in self.optimizers and not node.args and not node.keywords:
-            self._replace(node, f"tu.optimizer_step({node.func.value.id})",
-                          f"{node.func.value.id}.step() -> tu.optimizer_step({node.func.value.id})")
-        elif name in ("DataLoader", "torch.utils.data.DataLoader", "data.DataLoader"):
-            self._data_loader(node)
-        elif name == "torch.save":
-            self._replace(node.func, "tu.save", "torch.save -> tu.save (master only, one transfer)")
-        elif name in ("torch.cuda.amp.GradScaler", "GradScaler", "torch.amp.GradScaler",
-                      "amp.GradScaler"):
-            self._replace(node, "tu.GradScaler()", "GradScaler -> tu.GradScaler")
-        elif name in ("torch.cuda.amp.autocast", "autocast", "amp.autocast") or (
-                name == "torch.autocast" and node.args and _is_cuda_string(node.args[0])):
-            self._replace(node, "tu.autocast()", "autocast -> tu.autocast (bf16 on TPU)")
-        elif name == "torch.cuda.synchronize":
-            self._replace(node, "tu.sync()", "torch.cuda.synchronize() -> tu.sync()")
-        elif name.startswith("torch.cuda.") and name.split(".")[-1] in _NO_TPU_MEANING:
-            # a statement of its own becomes `pass` (visit_Expr); inside an expression, None
-            self._replace(node, "None", f"{name}() has no meaning on a TPU: removed")
-        elif attr == "item" and not node.args and self._in_loop_with_backward(node) and \
-                not _in_any(node, self.ifs_in_loops):  # under an `if`: a log point, not every step
-            self.todo.append((node.lineno, f"`{self._source(node)}` reads the device every step "
-                              f"(a host transfer): sum on the device and read once per epoch"))
-        elif attr in ("cpu", "numpy", "tolist") and not node.args and \
-                _in_any(node, self.other_loops) and self._first_read_in_loop(node):
-            self.todo.append((node.lineno, f"`{self._source(node)}` collects evaluation results "
-                              f"on the host batch by batch: with one replica per core (a TPU) "
-                              f"each replica has only its own share; collect on the device and "
-                              f"use tu.gather(torch.cat(outputs), loader), then tu.to_cpu once"))
-        elif attr == "item" and not node.args and _in_any(node, self.other_loops):
-            self.todo.append((node.lineno, f"`{self._source(node)}` sums an evaluation batch by "
-                              f"batch: with one replica per core (a TPU) each replica sums only "
-                              f"its own share of the data; collect the outputs and targets and "
-                              f"use tu.gather(torch.cat(outputs), loader), then read once"))
+        name, attr = dotted(node.func), method(node)
+        # The matchers never match the same call, so the first one that matches owns it.
+        rule = next((rule for matches, rule in self._RULES if matches(name, attr)), None)
+        if rule:
+            rule(self, node, name, attr)
         self.generic_visit(node)
 
-    @staticmethod
-    def _moves_to_cuda(node) -> bool:
-        attr = node.func.attr if isinstance(node.func, ast.Attribute) else None
-        return attr == "cuda" and not node.args and not node.keywords and \
-            _dotted(node.func) != "torch.cuda" or \
-            attr == "to" and bool(node.args) and _is_cuda_string(node.args[0])
+    def _device(self, node, what: str, new: str = _DEVICE) -> None:
+        if self.edits.replace(node, new, what) and self.depth == 0:
+            self.notes.top_level_device(node.lineno)
 
-    def _top_level_move_note(self, line: int, attr: str) -> None:
-        call = ".cuda()" if attr == "cuda" else '.to("cuda")'
-        self.todo.append((line, f"`{call}` at the top level was removed: tensors stay on the "
-                          f"CPU (make_loader moves each batch to the device); move a model "
-                          f"inside the training function, with .to(tu.get_device())"))
+    def _torch_device(self, node, name, attr):
+        arg = node.args[0] if node.args else None
+        if _is_cuda_string(arg) or isinstance(arg, ast.IfExp) and (
+                _is_cuda_check(arg.test) or _is_cuda_string(arg.body)):
+            self._device(node, "torch.device('cuda') -> tu.get_device()")
+        elif arg is not None and not isinstance(arg, (ast.Constant, ast.IfExp)):
+            self.notes.device_from_setting(node)
 
-    def _to_device(self, node, attr: str) -> None:
-        receiver = self._source(node.func.value)
-        rest = [self._source(a) for a in node.args[1:]] + [self._source(k) for k in node.keywords]
+    def _current_accelerator(self, node, name, attr):
+        self._device(node, "torch.accelerator.current_accelerator() -> tu.get_device()")
+
+    def _gpu_check(self, node, name, attr):
+        if not self.edits.taken(node):  # a device choice already swapped says it all
+            self.notes.gpu_check(node, name)
+
+    def _to_device(self, node, name, attr):
+        if not _moves_to_cuda(node):
+            return
+        receiver = self.edits.source(node.func.value)
+        rest = [self.edits.source(a) for a in node.args[1:] + node.keywords]
         if self.depth > 0:
-            self._replace(node, f"{receiver}.to({', '.join([_DEVICE] + rest)})",
-                          f".{attr}() -> .to(tu.get_device())")
+            self.edits.replace(node, f"{receiver}.to({', '.join([_DEVICE] + rest)})",
+                               f".{attr}() -> .to(tu.get_device())")
         # At the top level it would start the XLA runtime in this process (and put a
         # dataset's tensors where DataLoader workers cannot read them): stay on the CPU.
-        elif self._replace(node, f"{receiver}.to({', '.join(rest)})" if rest else receiver,
-                           f".{attr}() at the top level -> stays on the CPU"):
-            self._top_level_move_note(node.lineno, attr)
+        elif self.edits.replace(node, f"{receiver}.to({', '.join(rest)})" if rest else receiver,
+                                f".{attr}() at the top level -> stays on the CPU"):
+            self.notes.top_level_move(node.lineno, attr)
 
-    def _data_loader(self, node) -> None:
+    def _optimizer_step(self, node, name, attr):
+        opt = node.func.value.id if isinstance(node.func.value, ast.Name) else None
+        if opt in self.optimizers and not node.args and not node.keywords:
+            self.edits.replace(node, f"tu.optimizer_step({opt})",
+                               f"{opt}.step() -> tu.optimizer_step({opt})")
+
+    def _data_loader(self, node, name, attr):
+        self.loaders.port(node, self.scopes[-1] if self.scopes else self.facts.tree)
+
+    def _save(self, node, name, attr):
+        self.edits.replace(node.func, "tu.save", "torch.save -> tu.save (master only, one transfer)")
+
+    def _grad_scaler(self, node, name, attr):
+        self.edits.replace(node, "tu.GradScaler()", "GradScaler -> tu.GradScaler")
+
+    def _autocast(self, node, name, attr):
+        if name != "torch.autocast" or node.args and _is_cuda_string(node.args[0]):
+            self.edits.replace(node, "tu.autocast()", "autocast -> tu.autocast (bf16 on TPU)")
+
+    def _synchronize(self, node, name, attr):
+        self.edits.replace(node, "tu.sync()", "torch.cuda.synchronize() -> tu.sync()")
+
+    def _no_meaning(self, node, name, attr):
+        # a statement of its own becomes `pass` (visit_Expr); inside an expression, None
+        self.edits.replace(node, "None", f"{name}() has no meaning on a TPU: removed")
+
+    def _host_read(self, node, name, attr):
+        self.notes.host_read(node, attr)
+
+    _RULES = [  # (matcher of (dotted name, method name), rule), in the order they are tried
+        (_named("torch.device"), _torch_device),
+        (_named("torch.accelerator.current_accelerator"), _current_accelerator),
+        (_named("torch.cuda.is_available", "torch.accelerator.is_available"), _gpu_check),
+        (_method_named("cuda", "to"), _to_device),
+        (_method_named("step"), _optimizer_step),
+        (_named(*_LOADERS), _data_loader),
+        (_named("torch.save"), _save),
+        (_named(*GRAD_SCALERS), _grad_scaler),
+        (_named(*_AUTOCASTS, "torch.autocast"), _autocast),
+        (_named("torch.cuda.synchronize"), _synchronize),
+        (_no_tpu_meaning, _no_meaning),
+        (_method_named("item", *HOST_READS), _host_read),
+    ]
+
+
+class _Loaders:
+    """DataLoader(...) -> tu.make_loader(...): whether a loader trains decides its options."""
+
+    def __init__(self, edits: _Edits, notes: _Notes, facts: ModuleFacts):
+        self.edits = edits
+        self.notes = notes
+        self.facts = facts
+
+    def port(self, node, scope) -> None:
         keywords = {k.arg: k for k in node.keywords}
         if "sampler" in keywords or "batch_sampler" in keywords:
-            self.todo.append((node.lineno, "DataLoader with its own sampler: make_loader shards "
-                              "with a DistributedSampler; port it by hand (tu.make_loader(dataset, "
-                              "batch_size, ...))"))
+            self.notes.add(node.lineno, "DataLoader with its own sampler: make_loader shards "
+                           "with a DistributedSampler; port it by hand (tu.make_loader(dataset, "
+                           "batch_size, ...))")
+        elif None in keywords:  # DataLoader(ds, **kwargs): whether it shuffles is not written here
+            self._hidden_options(node, scope)
+        elif "shuffle" in keywords and not isinstance(keywords["shuffle"].value, ast.Constant):
+            shuffle = self.edits.source(keywords["shuffle"].value)
+            self.notes.add(node.lineno, f"DataLoader(shuffle={shuffle}): pass train=True for "
+                           f"training, train=False for evaluation")
+        else:
+            self._written_options(node, keywords)
+
+    def _hidden_options(self, node, scope) -> None:
+        name = self.facts.assigned_to.get(id(node))
+        use = name and _loader_role(scope, name, self.facts.functions)
+        if use:  # what the loader is for shows in the loops that read it
+            self._make_loader(node, [], train_false=use == "eval")
             return
-        if None in keywords:  # DataLoader(ds, **kwargs): whether it shuffles is not written here
-            name = self.assigned_to.get(id(node))
-            use = name and _loader_role(self.scopes[-1] if self.scopes else self.module, name,
-                                        self.functions)
-            if use:  # what the loader is for shows in the loops that read it
-                self._loader_edits(node, [], train_false=use == "eval")
-                return
-            self._loader_edits(node, [], train_false=True)
-            self.todo.append((node.lineno, "DataLoader(**...): port cannot see whether it is for "
-                              "training; it wrote train=False (in order, nothing dropped: right "
-                              "for evaluation); make the training loader's train=True"))
-            return
+        self._make_loader(node, [], train_false=True)
+        self.notes.add(node.lineno, "DataLoader(**...): port cannot see whether it is for "
+                       "training; it wrote train=False (in order, nothing dropped: right "
+                       "for evaluation); make the training loader's train=True")
+
+    def _written_options(self, node, keywords) -> None:
         shuffle = keywords.get("shuffle")
-        shuffles = shuffle is not None and isinstance(shuffle.value, ast.Constant) and shuffle.value.value
-        if shuffle is not None and not isinstance(shuffle.value, ast.Constant):
-            self.todo.append((node.lineno, f"DataLoader(shuffle={self._source(shuffle.value)}): "
-                              f"pass train=True for training, train=False for evaluation"))
-            return
+        shuffles = shuffle is not None and shuffle.value.value
         drop = keywords.get("drop_last")
-        if shuffles and drop is not None and isinstance(drop.value, ast.Constant) and drop.value.value is False:
-            self.todo.append((node.lineno, "drop_last=False on a training loader: its short last "
-                              "batch makes XLA compile the step again; drop it to get make_loader's "
-                              "drop_last=True (less than one batch of each epoch left out)"))
+        if shuffles and drop is not None and _is_constant(drop.value, False):
+            self.notes.add(node.lineno, "drop_last=False on a training loader: its short last "
+                           "batch makes XLA compile the step again; drop it to get make_loader's "
+                           "drop_last=True (less than one batch of each epoch left out)")
         # make_loader's train=True already shuffles and drops the short batch
         dropped = [k for k in node.keywords if k.arg == "shuffle" or (
-            k.arg == "drop_last" and shuffles and isinstance(k.value, ast.Constant) and k.value.value is True)]
-        self._loader_edits(node, dropped, train_false=not shuffles)
+            k.arg == "drop_last" and shuffles and _is_constant(k.value, True))]
+        self._make_loader(node, dropped, train_false=not shuffles)
 
-    def _loader_edits(self, node, dropped, train_false: bool) -> None:
-        """DataLoader(...) -> tu.make_loader(...) by small edits (the name, the arguments
-        dropped, `train=False` added), so a call laid out over lines keeps its layout and
-        comments."""
-        if any(_inside(_span(node), done) for done in self.replaced):
+    def _make_loader(self, node, dropped, train_false: bool) -> None:
+        if self.edits.taken(node):
             return
-        arguments = sorted(node.args + node.keywords, key=lambda a: (a.lineno, a.col_offset))
-        kept = [a for a in arguments if a not in dropped]
-        self.edits.append((*_span(node.func), "tu.make_loader"))
-        i = 0
-        while i < len(arguments):  # each run of dropped arguments goes with its commas
-            if arguments[i] in kept:
-                i += 1
-                continue
-            j = i
-            while j + 1 < len(arguments) and arguments[j + 1] not in kept:
-                j += 1
-            if j + 1 < len(arguments):  # up to the next kept argument
-                span = (*_span(arguments[i])[:2], arguments[j + 1].lineno, arguments[j + 1].col_offset)
-            elif i > 0:  # the last ones: from the end of the kept one before
-                span = (*_span(arguments[i - 1])[2:], *_span(arguments[j])[2:])
-            else:
-                span = (*_span(arguments[i])[:2], *_span(arguments[j])[2:])
-            self.edits.append((*span, ""))
-            i = j + 1
-        if train_false:  # evaluation: in order, nothing dropped
-            end = _span(kept[-1])[2:] if kept else _span(node)[2:]
-            self.edits.append((*end, *end, ", train=False" if kept else "train=False"))
-        self.swaps.append((node.lineno, "DataLoader -> tu.make_loader" + (" (train=False)" if train_false else "")))
+        self.edits.rewrite_call(node, "tu.make_loader", dropped, "train=False" if train_false else "")
+        self.edits.swaps.append((node.lineno, "DataLoader -> tu.make_loader" + (
+            " (train=False)" if train_false else "")))
+
+
+class _Notes:
+    """What needs a person, by line: the advisories, and the checks of the script's
+    structure (training at the top level, results indexed by batch size)."""
+
+    def __init__(self, edits: _Edits, facts: ModuleFacts):
+        self.edits = edits
+        self.facts = facts
+        self.todo: List[Tuple[int, str]] = []
+        self.noted_loops: set = set()  # evaluation loops whose host reads are listed
+
+    def add(self, line: int, what: str) -> None:
+        self.todo.append((line, what))
+
+    def top_level_device(self, line: int) -> None:
+        self.add(line, "the device is chosen at the top level, which starts the XLA runtime "
+                 "in this process: run(cores=8) then refuses; call tu.get_device() inside "
+                 "the training function instead")
+
+    def top_level_move(self, line: int, attr: str) -> None:
+        call = ".cuda()" if attr == "cuda" else '.to("cuda")'
+        self.add(line, f"`{call}` at the top level was removed: tensors stay on the CPU "
+                 f"(make_loader moves each batch to the device); move a model inside the "
+                 f"training function, with .to(tu.get_device())")
+
+    def device_from_setting(self, node) -> None:
+        self.add(node.lineno, f"`{self.edits.source(node)}` takes the device from a setting: "
+                 f"where it names cuda, use tu.get_device()")
+
+    def gpu_check(self, node, name: str) -> None:
+        self.add(node.lineno, f"{name}() is False on a TPU host: what the script does only "
+                 f"with a GPU (its device; loader options such as shuffle or pin_memory) "
+                 f"will not happen there; decide each by hand (tu.get_device() for the device)")
+
+    def host_read(self, node, attr: str) -> None:
+        """A tensor read on the host in a loop: every training step, or batch by batch in
+        an evaluation loop (where each replica sees only its own share)."""
+        if node.args:
+            return
+        facts, code = self.facts, self.edits.source(node)
+        if attr == "item" and facts.inside_loop(node, facts.backward_loops) and \
+                not facts.under_if_in_loop(node):  # under an `if`: a log point, not every step
+            self.add(node.lineno, f"`{code}` reads the device every step (a host transfer): "
+                     f"sum on the device and read once per epoch")
+        elif attr in HOST_READS and facts.inside_loop(node, facts.other_loops) and \
+                self._first_read_in_loop(node):
+            self.add(node.lineno, f"`{code}` collects evaluation results on the host batch by "
+                     f"batch: with one replica per core (a TPU) each replica has only its own "
+                     f"share; collect on the device and use tu.gather(torch.cat(outputs), "
+                     f"loader), then tu.to_cpu once")
+        elif attr == "item" and facts.inside_loop(node, facts.other_loops):
+            self.add(node.lineno, f"`{code}` sums an evaluation batch by batch: with one "
+                     f"replica per core (a TPU) each replica sums only its own share of the "
+                     f"data; collect the outputs and targets and use "
+                     f"tu.gather(torch.cat(outputs), loader), then read once")
 
     def _first_read_in_loop(self, node) -> bool:
         """One note per evaluation loop: `x.cpu().numpy()` and its neighbours are one fix."""
-        loop = max((n for n in self.other_loops if n.lineno <= node.lineno <= n.end_lineno),
-                   key=lambda n: n.lineno)
+        loop = next(n for n in self.facts.loops_around(node) if n in self.facts.other_loops)
         if loop in self.noted_loops:
             return False
         self.noted_loops.add(loop)
         return True
 
-    def _in_loop_with_backward(self, node) -> bool:
-        return _in_any(node, self.backward_loops)
-
-    # -- what needs a person -------------------------------------------------------------------
-
     def check_structure(self, tree, train_fns: set) -> None:
         """Top-level training and batch-size indexing: moved or rewritten by hand; the call
         of a training function under `if __name__ == "__main__":` goes through tu.run."""
-        train_fns |= _training_functions(tree, train_fns)
-        for stmt in tree.body:
-            if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and \
-                    not _is_main_guard(stmt) and not _calls(stmt, "backward"):
+        train_fns |= _training_functions(self.facts.functions, train_fns)
+        for stmt in getattr(tree, "body", []):
+            if _is_main_guard(stmt):
+                self._main_guard(stmt, train_fns)
+            elif not isinstance(stmt, _DEFINITIONS) and not calls(stmt, "backward"):
                 called = sorted({n.func.id for n in ast.walk(stmt) if isinstance(n, ast.Call)
                                  and isinstance(n.func, ast.Name) and n.func.id in train_fns})
                 if called:
-                    self.todo.append((stmt.lineno, f"{called[0]}() trains at the top level: move "
-                                      f"this code into a function (def train_fn(): ...) and "
-                                      f"call tu.run(train_fn, cores=8); notebooks too"))
-            if _is_main_guard(stmt):
-                loops = [n for n in ast.walk(stmt) if isinstance(n, (ast.For, ast.While))]
-                for node in ast.walk(stmt):
-                    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
-                            node.func.id in train_fns:
-                        if any(loop.lineno <= node.lineno <= loop.end_lineno for loop in loops):
-                            shared = _globals_set_here(stmt, tree)
-                            self.todo.append((node.lineno, f"{node.func.id}() is called in a loop "
-                                              f"at the top: move the loop into one function and "
-                                              f"call tu.run(that_function, cores=8) once" + (
-                                                  f"; functions read {', '.join(shared)} as "
-                                                  f"globals set here: declare them `global` in "
-                                                  f"that function, or pass them" if shared else "")))
-                        else:
-                            self._run_call(node)
-            if isinstance(stmt, (ast.For, ast.While)) and _calls(stmt, "backward"):
-                self.todo.append((stmt.lineno, "training at the top level: move it into a "
-                                  "function (def train_fn(): ...) and call "
-                                  "tu.run(train_fn, cores=8); notebooks too"))
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Assign) and any(
-                    isinstance(part, ast.Slice) and
-                    re.search(r"\*\s*\w*(bs|batch)", self._source(part) or "", re.I)
-                    for t in node.targets if isinstance(t, ast.Subscript)
-                    for part in ast.walk(t.slice)):
-                self.todo.append((node.lineno, "results indexed by batch size: at cores=8 a batch "
-                                  "is not batch_size rows of the dataset in order; collect the "
-                                  "outputs and use tu.gather(outputs, loader), or tu.predict"))
+                    self.add(stmt.lineno, f"{called[0]}() trains at the top level: move this "
+                             f"code into a function (def train_fn(): ...) and call "
+                             f"tu.run(train_fn, cores=8); notebooks too")
+            if isinstance(stmt, LOOPS) and calls(stmt, "backward"):
+                self.add(stmt.lineno, "training at the top level: move it into a function "
+                         "(def train_fn(): ...) and call tu.run(train_fn, cores=8); notebooks too")
+        self._batch_indexing(tree)
+
+    def _main_guard(self, guard, train_fns: set) -> None:
+        for node in ast.walk(guard):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in train_fns):
+                continue
+            if not self.facts.inside_loop(node):
+                self._run_call(node)
+                continue
+            shared = _globals_set_here(guard, self.facts.functions)
+            self.add(node.lineno, f"{node.func.id}() is called in a loop at the top: move the "
+                     f"loop into one function and call tu.run(that_function, cores=8) once" + (
+                         f"; functions read {', '.join(shared)} as globals set here: declare "
+                         f"them `global` in that function, or pass them" if shared else ""))
 
     def _run_call(self, node) -> None:
         if node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
-            self.todo.append((node.lineno, f"call {node.func.id} through tu.run({node.func.id}, "
-                              f"cores=8, args=(...)): run() passes positional arguments only"))
+            self.add(node.lineno, f"call {node.func.id} through tu.run({node.func.id}, "
+                     f"cores=8, args=(...)): run() passes positional arguments only")
             return
-        args = [self._source(a) for a in node.args]
+        args = [self.edits.source(a) for a in node.args]
         extra = f", args=({', '.join(args)},)" if args else ""
-        self._replace(node, f"tu.run({node.func.id}, cores=8{extra})",
-                      f"{node.func.id}() -> tu.run({node.func.id}, cores=8)")
+        self.edits.replace(node, f"tu.run({node.func.id}, cores=8{extra})",
+                           f"{node.func.id}() -> tu.run({node.func.id}, cores=8)")
 
-    def visit_Module(self, node):
-        # statements alone in their block: removing one leaves `pass`, not an empty block
-        self.alone = {id(body[0]) for n in ast.walk(node) for body in
-                      (getattr(n, f, None) for f in ("body", "orelse", "finalbody"))
-                      if isinstance(body, list) and len(body) == 1 and n is not node}
-        loops = [n for n in ast.walk(node) if isinstance(n, (ast.For, ast.While))]
-        self.backward_loops = [n for n in loops if _calls(n, "backward")]
-        self.other_loops = [n for n in loops if n not in self.backward_loops]
-        self.ifs_in_loops = [i for loop in self.backward_loops for i in ast.walk(loop)
-                             if isinstance(i, ast.If)]
-        self.module = node
-        self.functions = {s.name: s for s in node.body if isinstance(s, ast.FunctionDef)}
-        self.assigned_to = {id(n.value): n.targets[0].id for n in ast.walk(node)
-                            if isinstance(n, ast.Assign) and len(n.targets) == 1
-                            and isinstance(n.targets[0], ast.Name)}
-        # Names bound to optimizers anywhere in the module, before any `.step()` is read:
-        # `def train(model, optimizer)` usually comes before the `optimizer = ...` in main().
-        self.optimizers.update(t.id for n in ast.walk(node) if isinstance(n, ast.Assign)
-                               and isinstance(n.value, ast.Call)
-                               and _OPTIMIZER.search(_dotted(n.value.func))
-                               for t in n.targets if isinstance(t, ast.Name))
-        self.generic_visit(node)
-
-
-def costly_calls(source: str) -> List[Tuple[str, int, str]]:
-    """(kind, line, code) for the calls that cost host transfers or compiles on a TPU:
-    "item" (`.item()` in a loop), "cpu" (`.cpu()`, `.numpy()`, `.tolist()`, `.to("cpu")` in
-    a loop), "save" (`torch.save`) and "scaler" (torch's GradScaler). `report()` names
-    these lines next to the counts that show what they cost.
-
-    Example:
-        >>> costly_calls("for x, y in dl:\\n    total += loss(x, y).item()\\n")
-        [('item', 2, 'loss(x, y).item()')]
-    """
-    source = _mask_magics(source)
-    tree = ast.parse(source)
-    loops = [n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.While))]
-    found = {}  # (kind, line) -> code: the outermost call, as `x.to("cpu").numpy()`
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Call):
-            continue
-        name = _dotted(node.func)
-        attr = node.func.attr if isinstance(node.func, ast.Attribute) else None
-        in_loop = any(loop.lineno < node.lineno <= loop.end_lineno for loop in loops)
-        kind = None
-        if attr == "item" and not node.args and in_loop:
-            kind = "item"
-        elif in_loop and not node.args and attr in ("cpu", "numpy", "tolist") or \
-                in_loop and attr == "to" and node.args and isinstance(node.args[0], ast.Constant) \
-                and node.args[0].value == "cpu":
-            kind = "cpu"
-        elif name == "torch.save":
-            kind = "save"
-        elif name in ("torch.cuda.amp.GradScaler", "torch.amp.GradScaler", "GradScaler",
-                      "amp.GradScaler", "cuda.amp.GradScaler"):
-            kind = "scaler"
-        code = ast.get_source_segment(source, node) or name
-        if kind and len(code) > len(found.get((kind, node.lineno), "")):
-            found[kind, node.lineno] = code
-    return sorted(((kind, line, code) for (kind, line), code in found.items()),
-                  key=lambda f: f[1])
+    def _batch_indexing(self, tree) -> None:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign) and any(
+                    isinstance(part, ast.Slice) and
+                    re.search(r"\*\s*\w*(bs|batch)", self.edits.source(part) or "", re.I)
+                    for t in node.targets if isinstance(t, ast.Subscript)
+                    for part in ast.walk(t.slice)):
+                self.add(node.lineno, "results indexed by batch size: at cores=8 a batch is not "
+                         "batch_size rows of the dataset in order; collect the outputs and use "
+                         "tu.gather(outputs, loader), or tu.predict")
 
 
 def _device_choice(node) -> str:
@@ -511,9 +551,9 @@ def _device_choice(node) -> str:
                 or not isinstance(body[0].targets[0], ast.Name):
             return ""
         value = body[0].value
-        if isinstance(value, ast.Call) and _dotted(value.func) == "torch.device" and value.args:
+        if isinstance(value, ast.Call) and dotted(value.func) == "torch.device" and value.args:
             value = value.args[0]
-        if isinstance(value, ast.Call) and _dotted(value.func) == "torch.accelerator.current_accelerator":
+        if isinstance(value, ast.Call) and dotted(value.func) == "torch.accelerator.current_accelerator":
             gpu = True
         elif not (isinstance(value, ast.Constant) and isinstance(value.value, str)
                   and re.fullmatch(r"(cuda|cpu|mps|xpu)(:\d+)?", value.value)):
@@ -523,14 +563,13 @@ def _device_choice(node) -> str:
     return names.pop() if gpu and len(names) == 1 else ""
 
 
-def _training_functions(tree, known: frozenset = frozenset()) -> set:
-    """Module-level functions that call .backward(), or call (through others) one that does
-    (or one of `known`, from earlier notebook cells)."""
-    functions = {s.name: s for s in tree.body if isinstance(s, ast.FunctionDef)}
+def _training_functions(functions: dict, known: frozenset = frozenset()) -> set:
+    """Of the module's `functions`, those that call .backward(), or call (through others)
+    one that does (or one of `known`, from earlier notebook cells)."""
     called = {name: {n.func.id for n in ast.walk(fn) if isinstance(n, ast.Call)
                      and isinstance(n.func, ast.Name)} for name, fn in functions.items()}
     found = {name for name, fn in functions.items()
-             if _calls(fn, "backward") or called[name] & set(known)}
+             if calls(fn, "backward") or called[name] & set(known)}
     while True:
         more = {name for name in functions if name not in found and called[name] & found}
         if not more:
@@ -546,7 +585,7 @@ def _loader_role(scope, name: str, functions: dict, depth: int = 0) -> Optional[
     for node in ast.walk(scope):
         if isinstance(node, (ast.For, ast.AsyncFor)) and any(
                 isinstance(n, ast.Name) and n.id == name for n in ast.walk(node.iter)):
-            roles.add("train" if _calls(node, "backward") else "eval")
+            roles.add("train" if calls(node, "backward") else "eval")
         elif depth < 3 and isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
                 and node.func.id in functions:
             fn = functions[node.func.id]
@@ -558,14 +597,14 @@ def _loader_role(scope, name: str, functions: dict, depth: int = 0) -> Optional[
     return "train" if "train" in roles else "eval" if "eval" in roles else None
 
 
-def _globals_set_here(block, tree) -> List[str]:
-    """Names that `block` assigns and that the module's functions read without assigning
+def _globals_set_here(block, functions: dict) -> List[str]:
+    """Names that `block` assigns and that the module's `functions` read without assigning
     them: globals that stop being global once `block` moves into a function."""
     assigned = {t.id for n in ast.walk(block) if isinstance(n, (ast.Assign, ast.AnnAssign))
                 for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
                 if isinstance(t, ast.Name)}
     read = set()
-    for fn in (s for s in tree.body if isinstance(s, ast.FunctionDef)):
+    for fn in functions.values():
         local = {a.arg for a in ast.walk(fn.args) if isinstance(a, ast.arg)} | {
             n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
         read |= {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)
@@ -576,15 +615,6 @@ def _globals_set_here(block, tree) -> List[str]:
 def _is_main_guard(stmt) -> bool:
     return isinstance(stmt, ast.If) and isinstance(stmt.test, ast.Compare) and \
         "__name__" in ast.dump(stmt.test) and "'__main__'" in ast.dump(stmt.test)
-
-
-def _calls(node, attr: str) -> bool:
-    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == attr
-               for n in ast.walk(node))
-
-
-def _in_any(node, loops) -> bool:
-    return any(loop.lineno <= node.lineno <= loop.end_lineno for loop in loops)
 
 
 def _span(node) -> Tuple[int, int, int, int]:
@@ -605,16 +635,11 @@ def _apply(source: str, edits) -> str:
     return "".join(lines)
 
 
-def _mask_magics(source: str) -> str:
-    """Notebook lines `!cmd` and `%magic` become `pass`-like comments ast can parse."""
-    return "".join(re.sub(r"^(\s*)[!%].*", r"\1pass", line) for line in source.splitlines(keepends=True))
-
-
 def _add_import(text: str) -> str:
     """`import tpu_utility as tu` after the last top-level import, if it is used and absent."""
     if "tu." not in text or re.search(r"^import tpu_utility as tu$", text, re.M):
         return text
-    tree = ast.parse(_mask_magics(text))
+    tree = ast.parse(mask_magics(text))
     imports = [s for s in tree.body if isinstance(s, (ast.Import, ast.ImportFrom))]
     lines = text.splitlines(keepends=True)
     at = imports[-1].end_lineno if imports else 0
