@@ -189,3 +189,22 @@ def test_one_walker_over_nested_data():
 
 def test_the_parts_run_without_xla():
     assert "torch_xla" not in sys.modules
+
+
+class _Planted:
+    """Pickles as a call that would write a file when unpickled."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_checkpoint_is_read_without_unpickling_code(tmp_path):
+    from tpu_utility.checkpoint import FORMAT, read
+    path, marker = tmp_path / "ckpt.pt", tmp_path / "ran"
+    torch.save({"format": FORMAT, "extra": _Planted(str(marker))}, path)
+    with pytest.raises(ValueError, match="cannot be read"):
+        read(str(path))
+    assert not marker.exists()

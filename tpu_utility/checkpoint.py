@@ -141,7 +141,7 @@ def read(path: str) -> Optional[Dict[str, Any]]:
     if not os.path.exists(path):
         return None
     try:
-        saved = torch.load(path, map_location="cpu", weights_only=False)
+        saved = torch.load(path, map_location="cpu", weights_only=True)  # never unpickle code
     except Exception as e:
         raise ValueError(f"checkpoint {path!r} cannot be read ({type(e).__name__}: {e}); it "
                          f"was not written by tpu_utility, or the disk lost it: move it away "
