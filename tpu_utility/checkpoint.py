@@ -59,6 +59,18 @@ def save(obj: Any, path: str) -> Optional[str]:
     return path
 
 
+def save_or_warn(obj, path: str, argument: str) -> bool:
+    """`save`, or a warning when it fails: training goes on, and the file on disk (an
+    earlier checkpoint, if any) stays whole."""
+    try:
+        save(obj, path)
+        return True
+    except OSError as e:
+        warnings.warn(f"{argument}: {e}; training goes on, and {path} keeps what it held",
+                      RuntimeWarning)
+        return False
+
+
 def save_state(path: str, model, opt=None, loader=None, **extra: Any) -> Optional[str]:
     """Save what a hand-written loop needs to resume exactly, atomically; call it on every
     replica (it gathers their random states), at a step boundary.

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..amp import autocast_context
-from ..checkpoint import save
+from ..checkpoint import save_or_warn
 from ..checks import check_int
 from ..compat import xla_counts
 from ..devices import is_master, optimizer_step
@@ -291,15 +291,3 @@ def _save_best(run: _Run, e: EpochStats, now: Dict[str, Optional[float]]) -> Non
         e.saved = save_or_warn(run.model.state_dict(), o.save_best, "save_best")
         if e.saved:
             history.best, run.guard.saved_epoch = value, e.epoch
-
-
-def save_or_warn(obj, path: str, argument: str) -> bool:
-    """`save`, or a warning when it fails: training goes on, and the file on disk (an
-    earlier checkpoint, if any) stays whole."""
-    try:
-        save(obj, path)
-        return True
-    except OSError as e:
-        warnings.warn(f"{argument}: {e}; training goes on, and {path} keeps what it held",
-                      RuntimeWarning)
-        return False
