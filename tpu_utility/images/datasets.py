@@ -156,13 +156,12 @@ class ImageFolderDataset(_ImageFiles):
     `classes[i]` names label i.
 
     Example:
-        >>> import os, tempfile
+        >>> import pathlib, tempfile
         >>> from PIL import Image
         >>> from tpu_utility.images import ImageFolderDataset
-        >>> tmp = tempfile.TemporaryDirectory(); root = tmp.name
-        >>> for cls in ("cat", "dog"):
-        ...     os.makedirs(os.path.join(root, cls))
-        ...     Image.new("RGB", (8, 6)).save(os.path.join(root, cls, "1.png"))
+        >>> root = pathlib.Path(tempfile.mkdtemp())
+        >>> for folder in (root / "cat", root / "dog"):
+        ...     folder.mkdir(); Image.new("RGB", (8, 6)).save(folder / "1.png")
         >>> ds = ImageFolderDataset(root)
         >>> len(ds), ds.classes, ds[1][1]
         (2, ['cat', 'dog'], 1)
