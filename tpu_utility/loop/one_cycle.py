@@ -103,6 +103,7 @@ class _Options:
     max_lrs: Tuple[float, ...]
     valid_loader: Any
     metrics: Tuple[Callable, ...]
+    names: Tuple[str, ...]  # the metrics' names: table columns and History keys
     pct_start: float
     div: float
     div_final: float
@@ -142,7 +143,8 @@ class _Options:
                              f"(valid_loss and metrics need valid_loader)")
         mom_key = momentum_key(a["opt"]) if a["moms"] else None
         fields = {k: a[k] for k in cls.__dataclass_fields__ if k in a}
-        return cls(**{**fields, "max_lrs": max_lrs, "metrics": tuple(a["metrics"]), "mom_key": mom_key,
+        return cls(**{**fields, "max_lrs": max_lrs, "metrics": tuple(a["metrics"]),
+                      "names": tuple(names), "mom_key": mom_key,
                       "moms": tuple(a["moms"]) if a["moms"] else None})
 
 
@@ -193,9 +195,8 @@ class _Run:
 
     def start(self) -> None:
         """The epoch table, the replicas' common weights and the device's running loss."""
-        names = [metric_name(m) for m in self.o.metrics]
         self.table = EpochTable(self.o.epochs, ["epoch", "train_loss"]
-                                + (["valid_loss"] + names if self.valid else [])
+                                + (["valid_loss"] + list(self.o.names) if self.valid else [])
                                 + ["lr", "time", "samples/s"], enabled=self.o.progress)
         self.engine.sync_module(self.model)  # replicas that drew different weights start from the master's
         self.loss_sum = self.engine.zeros(())
@@ -266,7 +267,7 @@ def _end_epoch(run: _Run, epoch: int, resume: Resume) -> None:
         check_count(values.pop(), len(run.valid.dataset), "valid_loader")
     train_loss, rest = values[0], values[1:]
     run.guard.check_epoch(train_loss, run.at.step)
-    metric_values = dict(zip([metric_name(m) for m in run.o.metrics], rest[1:]))
+    metric_values = dict(zip(run.o.names, rest[1:]))
     e = EpochStats(epoch, train_loss, rest[0] if rest else None, metric_values,
                    run.history.lrs[-1], seconds, run.samples * run.engine.replicas / seconds, 0, 0,
                    skipped=len(run.train.skipped))
