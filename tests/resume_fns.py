@@ -76,6 +76,44 @@ def one_cycle(path, loss=None, epochs=2, checkpoint_every=None, workers=0, **kwa
             "compiles": xla_counts()["compiles"] - counts["compiles"]}
 
 
+class Images(torch.utils.data.Dataset):
+    """uint8 images whose class is their brightest quadrant."""
+
+    def __init__(self, n=N):
+        g = torch.Generator().manual_seed(2)
+        self.y = torch.randint(0, 4, (n,), generator=g)
+        self.x = torch.randint(0, 100, (n, 3, 12, 12), dtype=torch.uint8, generator=g)
+        for i, c in enumerate(self.y.tolist()):
+            r, q = divmod(c, 2)
+            self.x[i, :, r * 6:r * 6 + 6, q * 6:q * 6 + 6] += 120
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+EVERY_OP = dict(size=10, min_scale=0.5, flip_vert=True, max_translate=0.1, saturation=0.2,
+                cutout=0.5, mixup=0.4, cutmix=1.0, num_classes=4, normalize=((0.3,) * 3, (0.2,) * 3))
+
+
+def augmented(path, loss=None, epochs=2, checkpoint_every=None, log_every=5):
+    """one_cycle's run on uint8 images with every on-device augmentation on."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Dropout(0.2), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(8, 4)).to(tu.get_device())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    aug = tu.aug_transforms(**EVERY_OP)
+    counts = xla_counts()
+    hist = tu.train_one_cycle(model, tu.make_loader(Images(), BATCH, augment=aug), opt, loss or Loss(),
+                              epochs, max_lr=1e-2, progress=False, log_every=log_every,
+                              valid_loader=tu.make_loader(Images(64), 8, train=False, augment=aug),
+                              metrics=[tu.accuracy], checkpoint=path, checkpoint_every=checkpoint_every)
+    return {"state": model.state_dict(), "history": comparable(hist),
+            "counts": [[e.compiles, e.transfers] for e in hist.epochs]}
+
+
 def hand_loop(path, loss=None, epochs=2, save_every=7, workers=0):
     """The README's resume pattern in the swapped hand-written loop."""
     model, opt, loader = setup(workers)
@@ -96,7 +134,7 @@ def hand_loop(path, loss=None, epochs=2, save_every=7, workers=0):
 
 def comparable(hist):
     """The History without what a resumed run cannot share: timings, compile and transfer counts."""
-    drop = ("seconds", "samples_per_s", "compiles", "transfers")
+    drop = ("seconds", "samples_per_s", "compiles", "transfers", "input_wait")
     return {"epochs": [{k: v for k, v in vars(e).items() if k not in drop} for e in hist.epochs],
             "lrs": hist.lrs, "moms": hist.moms, "logged": [list(x) for x in hist.logged],
             "best": hist.best}

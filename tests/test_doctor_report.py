@@ -104,6 +104,30 @@ def test_history_hints():
     assert hints(rep, fine) == []
 
 
+def test_input_wait_hint_names_the_cheapest_cure_that_fits():
+    import os
+    from tpu_utility.input_wait import InputWait
+    from tpu_utility.loop import EpochStats, History
+    from tpu_utility.reporting import XlaReport, hints
+    rep = XlaReport(3, 1.0, 100, 3, {})
+    cpus = os.cpu_count() or 1
+
+    def waiting(share, workers, source, augmented=False):
+        wait = InputWait(2, share * 10.0, 10.0, 50, 3200, workers, source, augmented)
+        return History(epochs=[EpochStats(2, 1.0, None, {}, 1e-3, 10.0, 320.0, 0, 1, input_wait=share)],
+                       lrs=[1e-3] * 50, input=wait)
+    assert hints(rep, waiting(0.15, 0, "samples")) == []  # under 20%: no hint
+    (hint,) = hints(rep, waiting(0.63, 4, "image files"))
+    assert hint.startswith("the training loop waited for its next batch 63% of epoch 3 (320 samples/s "
+                           f"per replica, 4 DataLoader workers, {cpus} CPUs on this host)")
+    assert "tu.presize_images" in hint
+    assert "tu.cache_dataset(ds, path)" in hints(rep, waiting(0.5, 4, "samples"))[0]
+    assert "upload uint8 images" in hints(rep, waiting(0.5, 0, "rows"))[0]
+    assert "a larger batch" in hints(rep, waiting(0.5, 0, "rows", augmented=True))[0]
+    if cpus >= 2:  # a loader without workers on a host that has cores for them
+        assert f"num_workers={min(4, cpus)}" in hints(rep, waiting(0.5, 0, "image files"))[0]
+
+
 KAGGLE_LOOP = """
     import json, torch, torch.nn.functional as F, tpu_utility as tu
 
@@ -199,7 +223,11 @@ def test_report_names_the_costly_calls_and_their_lines(run_script, tmp_path):
     source = textwrap.dedent(KAGGLE_LOOP).splitlines()
     line = {m: f"script_0.py:{next(i for i, s in enumerate(source, 1) if f'# <{m}>' in s)}"
             for m in ("scaler", "item", "cpu", "save")}
-    hints = proc.result["kaggle"]
+    # Steps this small (a Linear(8, 3)) can outrun even an in-memory loader, by a share that
+    # depends on the machine: the input-wait hint has tests of its own, and is left out here.
+    def costly(found):
+        return [h for h in found if "waited for its next batch" not in h]
+    hints = costly(proc.result["kaggle"])
     # 200 rows at 4 x 8 a step: 6 full steps and a short one of 8 rows, 2 epochs = 14 steps;
     # .item() twice a step (the loop's and GradScaler.step's); 96 / 32 = 3 valid batches x 2
     by_kind = {
@@ -211,7 +239,7 @@ def test_report_names_the_costly_calls_and_their_lines(run_script, tmp_path):
     }
     assert all(len(found) == 1 for found in by_kind.values()), (by_kind, hints)
     assert len(hints) == 5, hints  # nothing else: no "dynamic shapes" for the reads' compiles
-    assert proc.result["fixed"] == []
+    assert costly(proc.result["fixed"]) == []
     reads, scatter_right = proc.result["reads"]
     assert [(r["equal"], r["mine"], r["theirs"]) for r in reads] == [(True, 0, 2)] * 3 + [(True, 0, 0)]
     assert scatter_right

@@ -185,3 +185,36 @@ def test_doctor_reports_torchtpu(tmp_path):
     proc = run_process([sys.executable, "-c", code], cwd=ROOT, env=env, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr  # a TPU with TorchTPU needs no torch_xla
     assert "torch-tpu       0.2.0 (Google's TorchTPU: experimental" in proc.stdout
+
+
+def test_compiled_graphs_kept_in_a_private_folder_on_tpu_hosts_only(tmp_path, monkeypatch):
+    import os
+    import warnings
+    from tpu_utility.engines.xla_single import XlaSingle
+    from tpu_utility.environment import TpuInfo, compile_cache_dir
+    tpu = TpuInfo("kaggle", "v5litepod-8", 8, "2.8.0", "2.8.0", "TPU")
+    cpu = TpuInfo("cpu", "cpu", 8, "2.9.0", "2.9.0", "CPU")
+    home = {"HOME": str(tmp_path / "home")}
+    folder = compile_cache_dir(tpu, home)
+    assert folder == str(tmp_path / "home" / ".cache" / "tpu_utility" / "xla-2.8.0-v5litepod-8")
+    assert os.path.isdir(folder) and os.stat(folder).st_mode & 0o777 == 0o700
+    xdg = compile_cache_dir(tpu, {**home, "XDG_CACHE_HOME": str(tmp_path / "xdg")})
+    assert xdg.startswith(str(tmp_path / "xdg" / "tpu_utility"))
+    assert compile_cache_dir(tpu, {**home, "TPU_UTILITY_COMPILE_CACHE": str(tmp_path / "mine")}) == str(tmp_path / "mine")
+    # off: asked, torch_xla's own setting, or XLA:CPU (which cannot read the cache back)
+    assert compile_cache_dir(tpu, {**home, "TPU_UTILITY_COMPILE_CACHE": "0"}) is None
+    assert compile_cache_dir(tpu, {**home, "XLA_PERSISTENT_CACHE_PATH": "/x"}) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning on CPU
+        assert compile_cache_dir(cpu, home) is None
+        with XlaSingle.prepare(cpu, 1, "spawn", None) as setup:
+            assert setup is None  # what every child gets: no cache
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("TPU_UTILITY_COMPILE_CACHE", raising=False)
+    with XlaSingle.prepare(tpu, 1, "spawn", None) as setup:
+        assert setup == folder
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    with pytest.warns(RuntimeWarning, match="cannot keep compiled graphs in .*; set TPU_UTILITY_COMPILE_CACHE"):
+        assert compile_cache_dir(tpu, {**home, "TPU_UTILITY_COMPILE_CACHE": str(blocked / "sub")}) is None

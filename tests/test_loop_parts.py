@@ -17,6 +17,7 @@ from tpu_utility.loop import one_cycle as oc
 from tpu_utility.loop.hypers import Hypers, momentum_key
 from tpu_utility.loop.lr_find import _check as check_lr_find
 from tpu_utility.loop.resume import check_same_run, resume_point
+from tpu_utility.input_wait import InputWait
 from tpu_utility.loop.state import EpochStats, History, LossGuard, Position
 from tpu_utility.schedules import one_cycle
 
@@ -115,8 +116,9 @@ def test_hypers_restore_even_when_training_fails():
 
 
 def test_state_dicts_round_trip_through_plain_values():
-    h = History(epochs=[EpochStats(0, 0.5, 0.4, {"accuracy": 0.9}, 1e-3, 2.0, 100.0, 3, 2, True, 1)],
-                lrs=[1e-3, 2e-3], moms=[0.9, 0.85], logged=[(1, 0.7), (2, 0.6)], best=0.4, plot="p.png")
+    h = History(epochs=[EpochStats(0, 0.5, 0.4, {"accuracy": 0.9}, 1e-3, 2.0, 100.0, 3, 2, True, 1, 0.25)],
+                lrs=[1e-3, 2e-3], moms=[0.9, 0.85], logged=[(1, 0.7), (2, 0.6)], best=0.4, plot="p.png",
+                input=InputWait(0, 0.5, 2.0, 10, 640, 2, "image files", False))
     saved = torch.load(_through_a_file(h.state_dict()), weights_only=True)
     back = History()
     back.load_state_dict(saved)

@@ -1,5 +1,6 @@
 """tpu_utility: run a functional PyTorch CUDA script on one TPU core or on all of them."""
 from .amp import GradScaler, autocast
+from .augment import aug_transforms
 from .checkpoint import load_state, save, save_state
 from .data import make_loader
 from .devices import (get_device, is_master, master_print, optimizer_step, rank, scale_lr_bs,
@@ -19,4 +20,4 @@ __all__ = ["setup_tpu", "get_device", "optimizer_step", "make_loader", "scale_lr
            "PresizeReport", "ImageCsvDataset", "ImageFolderDataset", "cache_dataset",
            "open_cache", "CachedDataset", "show_batch", "normalize", "denormalize",
            "ReplicasExited", "autocast", "GradScaler", "gather", "save_state", "load_state",
-           "Preempted", "to_cpu"]
+           "Preempted", "to_cpu", "aug_transforms"]

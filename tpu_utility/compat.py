@@ -61,11 +61,23 @@ def cut_before_next_batch() -> None:
     Every cut advances the device's random seed, so an extra one would put a run on
     another random stream; the loader skips its own cut when the profiler's flag says a
     step was just marked (torch_xla 2.8 and 2.9: parallel_loader.PerDeviceLoader.next).
+    A cut already made since the last batch is not made again (the loader's rule).
     """
     import torch_xla
     import torch_xla.debug.profiler as xp
+    if xp.get_tracer_marked_step():
+        return
     torch_xla.sync()
     xp.set_tracer_marked_step(True)
+
+
+def use_compile_cache(folder: Optional[str]) -> None:
+    """Keep this process's compiled graphs in `folder` (torch_xla's persistent cache),
+    before the runtime compiles anything; None: leave it off."""
+    if folder is not None:
+        import torch_xla.runtime as xr
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        xr.initialize_cache(folder, readonly=False)
 
 
 def init_one_device() -> None:

@@ -5,11 +5,15 @@ import os
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Tuple
 
 from .checks import check_int
 from .engines import current
+from .input_wait import InputWait, Meter, source_of
 from .rng import seeded
+
+if TYPE_CHECKING:
+    from .augment import Augment
 
 
 class DeviceLoader:
@@ -32,15 +36,21 @@ class DeviceLoader:
     prefetching, or on where a resumed epoch starts. Datasets that draw no random numbers
     (see `draws_no_randomness`) load without seeding. `state_dict()` / `load_state_dict()` carry the epoch and the batches of
     it already consumed (what `save_state` and `train_one_cycle(checkpoint=)` keep).
+
+    With `augment`, each training batch travels with one int32 key per sample (a hash of
+    the seed, the epoch and the sample's place) and is augmented on the device as the
+    loop receives it; the loader's place is then the augmentation's whole random state.
+    Every epoch is timed: `input_wait` is how long the loop waited for its batches.
     """
 
     def __init__(self, dataset, batch_size: int, shuffle: bool, drop_last: bool,
                  num_workers: Optional[int], seed: int, loader_kwargs: dict, pad: bool = False,
-                 skip_errors: bool = False):
+                 skip_errors: bool = False, augment=None, train: bool = True):
         self.dataset = dataset
         self.per_core_batch_size = batch_size
         self.shuffle, self.drop_last, self.seed, self.pad = shuffle, drop_last, seed, pad
         self.skip_errors = skip_errors
+        self.augment, self.train = augment, train
         self.num_workers = num_workers
         self.loader_kwargs = loader_kwargs
         self._init_replicas()
@@ -76,6 +86,16 @@ class DeviceLoader:
         """(dataset index, error) of the samples the calling replica skipped in its last
         epoch (`skip_errors=True`)."""
         return list(self._replica().guard.skipped)
+
+    @property
+    def input_wait(self) -> Optional[InputWait]:
+        """The calling replica's last epoch as its loop saw it: the time it waited for
+        batches, the epoch's time and samples (`.share` is the waiting share); None before
+        the first epoch."""
+        engine = current()
+        with self._lock:  # not built for a replica that never iterated it
+            state = self._replicas.get(engine)
+        return state.input_wait if state is not None else None
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -124,7 +144,7 @@ class DeviceLoader:
         if self.pad:  # a whole number of full global batches: static shapes, no padding by the sampler
             dataset = PaddedDataset(dataset, self.per_core_batch_size * engine.world_size)
         dataset = _Loading(dataset, len(self.dataset), self.skip_errors, self.seed,
-                           seeds=not rows_only)
+                           seeds=not rows_only, keys=self._keyed)
         # One sampler for every engine, so all see the same permutation (seed + epoch).
         sampler = _Sampler(DistributedSampler(dataset, num_replicas=replicas, rank=rank,
                                               shuffle=self.shuffle, seed=self.seed,
@@ -135,8 +155,8 @@ class DeviceLoader:
         # No persistent workers: a valid loader's workers, forked while the train loader's
         # stay alive, inherit its iterator and fail on it at exit.
         kwargs = {**engine.loader_options(workers), **self.loader_kwargs}
-        if self.skip_errors:
-            kwargs["collate_fn"] = _SkipCollate(kwargs.get("collate_fn"))
+        if self.skip_errors or self._keyed:
+            kwargs["collate_fn"] = _Collate(kwargs.get("collate_fn"))
         if workers > 0:
             kwargs["worker_init_fn"] = _WorkerInit(kwargs.get("worker_init_fn"))
         # Its own generator: starting an epoch draws a seed, and that must not come from
@@ -151,6 +171,11 @@ class DeviceLoader:
                 f"core x {engine.world_size} cores) with drop_last=True; use a smaller batch_size "
                 f"or more data")
         return loader
+
+    @property
+    def _keyed(self) -> bool:
+        """Whether batches carry each sample's augmentation key (training with augment=)."""
+        return self.augment is not None and self.train
 
     def __iter__(self) -> Iterator:
         state = self._replica()
@@ -171,14 +196,24 @@ class DeviceLoader:
         expected = len(state.loader)
         state.position = n
         batches = iter(state.feed)
+        meter = Meter()
         try:
-            for batch in batches:
-                if guard.error is not None:  # do not train on the batches prefetched before it
+            while True:
+                # The cut the feed makes before a batch, made here so that the clock
+                # below times the wait for the batch alone, never the step's compile or run.
+                state.engine.cut_step()
+                meter.ask()
+                batch = next(batches, _END)
+                meter.got()
+                if batch is _END or guard.error is not None:  # not the batches prefetched before it
                     break
                 n += 1
+                meter.batches += 1
                 state.position = n
-                yield batch
+                yield self._augmented(batch)
         finally:  # stopped early (or failed): the feed's threads and workers stop too
+            state.input_wait = meter.result(epoch, state.loader.batch_size, state.loader.num_workers,
+                                            state.source, self._keyed)
             close = getattr(batches, "close", None)
             if close is not None:
                 close()
@@ -197,6 +232,20 @@ class DeviceLoader:
                 f"{sorted(i for i, _ in guard.skipped)[:20]}); the first error, at index "
                 f"{first[0]}: {first[1]}", RuntimeWarning, stacklevel=2)
 
+    def _augmented(self, batch):
+        """The batch through `augment`, on the device, traced into the step's graph."""
+        if self.augment is None:
+            return batch
+        if self._keyed:
+            batch, keys = batch
+            return self.augment.train_batch(batch, keys)
+        if self.pad:  # (batch, valid)
+            return self.augment.eval_batch(batch[0]), batch[1]
+        return self.augment.eval_batch(batch)
+
+
+_END = object()
+
 
 class _ReplicaState:
     """One replica's side of a DeviceLoader."""
@@ -207,6 +256,9 @@ class _ReplicaState:
         self.position: Optional[int] = None  # batches of the epoch in progress yielded so far
         self.feed = None
         self.guard = _Guard(loader)
+        dataset = loader.dataset.dataset  # under _Loading (and padding)
+        self.source = source_of(dataset, draws_no_randomness(dataset))
+        self.input_wait: Optional[InputWait] = None
 
 
 class _Guard:
@@ -294,14 +346,22 @@ class _Loading:
 
     MAX_TRIES = 64
 
-    def __init__(self, dataset, real_len: int, skip: bool, seed: int = 0, seeds: bool = True):
+    def __init__(self, dataset, real_len: int, skip: bool, seed: int = 0, seeds: bool = True,
+                 keys: bool = False):
         self.dataset, self.real_len, self.skip, self.seed = dataset, real_len, skip, seed
-        self.seeds = seeds
+        self.seeds, self.keys = seeds, keys
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitems__(self, keys: list) -> list:
+    def __getitems__(self, keys: list):
+        samples = self._samples(keys)
+        if not self.keys:
+            return samples
+        from .augment.draw import sample_keys  # each sample's augmentation key, one op a batch
+        return _Keyed(samples, sample_keys(self.seed, keys[0][0], [key[2] for key in keys]))
+
+    def _samples(self, keys: list) -> list:
         if not self.seeds:
             return [self._load(key[1]) for key in keys]
         epoch, _, place = keys[0]
@@ -309,7 +369,7 @@ class _Loading:
             return [self._load(key[1]) for key in keys]
 
     def __getitem__(self, key):
-        return self.__getitems__([key if isinstance(key, tuple) else (0, key, key)])[0]
+        return self._samples([key if isinstance(key, tuple) else (0, key, key)])[0]
 
     def _load(self, i: int):
         try:
@@ -348,18 +408,31 @@ class _WithSkips:
         self.batch, self.skipped = batch, skipped
 
 
-class _SkipCollate:
-    """Collates as `collate_fn` would, and carries the skipped samples' records along
-    (DataLoader workers are other processes: the count has to travel with the batch)."""
+class _Keyed:
+    """A batch's samples and their augmentation keys, from _Loading to _Collate."""
+
+    def __init__(self, samples: list, keys):
+        self.samples, self.keys = samples, keys
+
+
+class _Collate:
+    """Collates as `collate_fn` would, and carries along what travels with the batch (from
+    a worker, another process): the skipped samples' records, and the samples' keys,
+    which go to the device with it as `(batch, keys)`."""
 
     def __init__(self, collate_fn):
         self.collate_fn = collate_fn
 
     def __call__(self, samples):
         from torch.utils.data import default_collate
+        keys = None
+        if isinstance(samples, _Keyed):
+            samples, keys = samples.samples, samples.keys
         skipped = [s.skipped for s in samples if isinstance(s, _Replaced)]
         samples = [s.sample if isinstance(s, _Replaced) else s for s in samples]
         batch = (self.collate_fn or default_collate)(samples)
+        if keys is not None:
+            batch = (batch, keys)
         return _WithSkips(batch, skipped) if skipped else batch
 
 
@@ -416,7 +489,8 @@ def make_loader(data, batch_size: Optional[int] = None, *, train: bool = True,
                 shuffle: Optional[bool] = None, drop_last: Optional[bool] = None,
                 num_workers: Optional[int] = None, seed: int = 0,
                 collate_fn: Optional[Callable] = None, pad: bool = False,
-                skip_errors: bool = False, **loader_kwargs: Any) -> DeviceLoader:
+                skip_errors: bool = False, augment: Optional["Augment"] = None,
+                **loader_kwargs: Any) -> DeviceLoader:
     """The swap for `DataLoader(dataset, batch_size, shuffle=True)`.
 
     `batch_size` is per core, as in every TPU tutorial. `train=True` means shuffle and
@@ -432,6 +506,14 @@ def make_loader(data, batch_size: Optional[int] = None, *, train: bool = True,
     noted). `skip_errors=True` replaces it with the next sample that loads instead, so
     batches keep their shape, and warns at the end of the epoch with the count and the
     indices (`loader.skipped` lists them).
+
+    `augment=tu.aug_transforms(...)` augments every training batch afresh on the device
+    (each sample its own parameters, drawn on the device; uint8 images upload as uint8);
+    with `train=False` only its deterministic part runs (float, size, normalisation).
+
+    The loader times how long its loop waits for each batch: `loader.input_wait` (and
+    train_one_cycle's `EpochStats.input_wait`, `report()`'s hint) say whether the device
+    starves.
 
     `num_workers` unset: no DataLoader workers for data that only reads rows
     (`TensorDataset`, a `cache_dataset` cache: workers only add copies there), otherwise
@@ -463,9 +545,14 @@ def make_loader(data, batch_size: Optional[int] = None, *, train: bool = True,
     drop_last = train if drop_last is None else drop_last
     if pad and drop_last:
         raise ValueError("pad=True keeps every sample: use it with train=False or drop_last=False")
+    if augment is not None:
+        from .augment import Augment
+        if not isinstance(augment, Augment):
+            raise TypeError(f"augment must be what tu.aug_transforms(...) returns, got "
+                            f"{type(augment).__name__}")
     if collate_fn is not None:
         loader_kwargs["collate_fn"] = collate_fn
     out = DeviceLoader(data, batch_size, shuffle, drop_last, num_workers, seed, loader_kwargs,
-                       pad, skip_errors)
+                       pad, skip_errors, augment, train)
     len(out)  # too few samples for one batch: say so now, not at the first epoch
     return out

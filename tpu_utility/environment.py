@@ -283,6 +283,45 @@ def setup_tpu(*, install: bool = False, verbose: bool = True,
     return info
 
 
+COMPILE_CACHE_VAR = "TPU_UTILITY_COMPILE_CACHE"
+
+
+def compile_cache_dir(info: TpuInfo, env: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The folder where `run()` keeps XLA's compiled graphs across runs, or None (off).
+
+    Every `run()` starts fresh processes that compile everything again; torch_xla's
+    persistent cache lets a later run (the next notebook cell) load them instead. On by
+    default on TPU hosts, in a private per-user folder ($XDG_CACHE_HOME or ~/.cache, then
+    tpu_utility/xla-<torch_xla version>-<TPU>); `TPU_UTILITY_COMPILE_CACHE=0` turns it off and
+    a path puts it there; torch_xla's own XLA_PERSISTENT_CACHE_PATH, if set, stands. Off on XLA:CPU, where torch_xla 2.9 writes the cache but cannot
+    read it back ("Deserializing serialized executable not supported"). Not verified on
+    TPU hardware.
+
+    Example:
+        >>> from tpu_utility.environment import TpuInfo, compile_cache_dir
+        >>> compile_cache_dir(TpuInfo("cpu", "cpu", 8, "2.9.0", "2.9.0", "CPU")) is None
+        True
+    """
+    setting = env.get(COMPILE_CACHE_VAR, "").strip()
+    if setting.lower() in ("0", "off", "false", "no") or not (info.has_xla and info.has_tpu):
+        return None
+    if env.get("XLA_PERSISTENT_CACHE_PATH"):  # the user's own torch_xla setting stands
+        return None
+    home = env.get("XDG_CACHE_HOME") or os.path.join(env.get("HOME") or os.path.expanduser("~"), ".cache")
+    folder = setting or os.path.join(home, "tpu_utility", f"xla-{info.torch_xla_version}-{info.accelerator}")
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        if not os.access(folder, os.W_OK):
+            raise PermissionError(f"{folder} is not writable")
+    except OSError as e:
+        import warnings
+        warnings.warn(f"run() compiles from scratch: it cannot keep compiled graphs in {folder} "
+                      f"({e}); set {COMPILE_CACHE_VAR} to a writable folder, or to 0 to turn "
+                      f"this off", RuntimeWarning, stacklevel=3)
+        return None
+    return folder
+
+
 def cuda_device_count() -> int:
     """CUDA GPUs visible to torch (NVML's count: a fork made afterwards can still use CUDA)."""
     try:

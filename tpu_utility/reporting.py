@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
 from .compat import xla_counts
+from .input_wait import HIGH, cure
 
 
 @dataclass
@@ -66,19 +67,20 @@ def report(history=None, *, verbose: bool = True) -> XlaReport:
                     sharded_reads=max(0, sharded_reads),
                     scaler_steps=counters.get("xla::_amp_update_scale_", 0))
     try:
-        sites, loaders = caller_code(sys._getframe(1))
+        sites, loaders, waits = caller_code(sys._getframe(1))
     except Exception:  # a diagnostic never fails the run it reports on
-        sites, loaders = [], []
-    rep.hints = hints(rep, history, sites, loaders)
+        sites, loaders, waits = [], [], []
+    rep.hints = hints(rep, history, sites, loaders, waits)
     if verbose:
         from .devices import master_print
         master_print(str(rep))
     return rep
 
 
-def caller_code(frame) -> Tuple[List[Tuple[str, str, str]], List[Tuple[str, int, int]]]:
+def caller_code(frame) -> Tuple[List[Tuple[str, str, str]], List[Tuple[str, int, int]], list]:
     """What report() can see of its caller: the costly calls in its source (kind, where,
-    code), and its training loaders that end epochs with a short batch (name, rows, batch).
+    code), its training loaders that end epochs with a short batch (name, rows, batch),
+    and its training loaders' last epochs' input waits.
 
     The source read is the calling function's and that of the module's functions it calls
     (by name, transitively: a `train_one_epoch` helper), from linecache, which holds
@@ -112,13 +114,15 @@ def caller_code(frame) -> Tuple[List[Tuple[str, str, str]], List[Tuple[str, int,
             continue
         where = os.path.basename(code.co_filename)
         sites += [(kind, f"{where}:{first + line - 1}", text) for kind, line, text in found]
-    loaders = []
+    loaders, waits = [], []
     for name, value in {**frame.f_globals, **frame.f_locals}.items():
         if isinstance(value, DeviceLoader) and value.shuffle:
             rows = value.last_batch_rows()
             if rows:
                 loaders.append((name, rows, value.batch_size))
-    return sites, loaders
+            if value.input_wait is not None:
+                waits.append(value.input_wait)
+    return sites, loaders, waits
 
 
 def _at(sites, kind: str) -> str:
@@ -126,10 +130,15 @@ def _at(sites, kind: str) -> str:
     return f" at {', '.join(places)}" if places else ""
 
 
-def hints(rep: XlaReport, history=None, sites=(), loaders=()) -> List[str]:
+def hints(rep: XlaReport, history=None, sites=(), loaders=(), waits=()) -> List[str]:
     """One-line advice for the patterns that make TPU runs slow, naming the lines of
-    `sites` ((kind, where, code) from `caller_code`) that cause them."""
+    `sites` ((kind, where, code) from `caller_code`) that cause them, and the input
+    pipeline's measured wait (the History's, else the longest of `waits`)."""
     out = []
+    wait = getattr(history, "input", None) or max(waits, key=lambda w: w.share, default=None)
+    if wait is not None and wait.share > HIGH:
+        from .engines import current
+        out.append(cure(wait, current().local_replicas))
     epochs = list(getattr(history, "epochs", None) or [])
     later = [e.compiles for e in epochs[1:]]
     graphs = rep.compiles - rep.sharded_reads  # the reads' compiles get their own hint

@@ -39,7 +39,10 @@ class XlaReplicas(XlaSingle):
 
     @classmethod
     def start(cls, setup, local_rank, nprocs, cores, body) -> None:
-        from ..compat import run_thread_per_device
+        import os
+        from ..compat import run_thread_per_device, use_compile_cache
+        # A folder per process: torch_xla's cache is not documented as safe for writers that share one.
+        use_compile_cache(setup and os.path.join(setup, f"process-{local_rank}"))
         # One thread per device of this process; each makes its engine once its device is set.
         run_thread_per_device(local_rank, nprocs, lambda: body(cls()))
 

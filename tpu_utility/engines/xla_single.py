@@ -64,11 +64,13 @@ class XlaSingle(Engine):
                 f"work inside train_fn.")
         if start_method == "fork":
             import torch_xla  # noqa: F401  (imported once here, shared by every forked child)
-        yield None
+        from ..environment import compile_cache_dir
+        yield compile_cache_dir(info)  # every child's folder for compiled graphs, or None
 
     @classmethod
     def start(cls, setup, local_rank, nprocs, cores, body) -> None:
-        from ..compat import init_one_device
+        from ..compat import init_one_device, use_compile_cache
+        use_compile_cache(setup)
         init_one_device()
         body(cls())
 

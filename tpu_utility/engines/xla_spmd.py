@@ -28,10 +28,11 @@ class XlaSpmd(XlaSingle):
 
     @classmethod
     def start(cls, setup, local_rank, nprocs, cores, body) -> None:
-        from ..compat import quiet_spmd_on_cpu
+        from ..compat import quiet_spmd_on_cpu, use_compile_cache
         if os.environ.get("PJRT_DEVICE") == "CPU":  # read once, when the runtime starts
             os.environ["CPU_NUM_DEVICES"] = str(cores)
         quiet_spmd_on_cpu()
+        use_compile_cache(setup)
         import numpy as np
         import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr

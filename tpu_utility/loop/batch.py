@@ -32,7 +32,8 @@ def as_loader(data, *, train: bool, name: str, pad: bool = False, batch_size: Op
     if isinstance(data, DeviceLoader):
         if pad and not data.pad:
             data = make_loader(data.dataset, batch_size or data.per_core_batch_size, train=False,
-                               pad=True, num_workers=data.num_workers, **data.loader_kwargs)
+                               pad=True, num_workers=data.num_workers, augment=data.augment,
+                               **data.loader_kwargs)
         return data
     if isinstance(data, torch.utils.data.DataLoader):
         return make_loader(data, batch_size, train=train, pad=pad, drop_last=False if pad else None)

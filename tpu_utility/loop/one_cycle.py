@@ -178,6 +178,12 @@ class _Run:
         train = as_loader(train_loader, train=True, name="train_loader")
         valid = (as_loader(o.valid_loader, train=False, name="valid_loader", pad=True)
                  if o.valid_loader is not None else None)
+        if train.augment is not None and valid is not None and valid.augment is None:
+            raise ValueError(
+                "train_loader augments on the device (augment=) but valid_loader does not, so "
+                "evaluation would see other inputs (uint8, another size, not normalised): pass "
+                "the same augment= to make_loader(valid_ds, ..., train=False), which applies only "
+                "its deterministic part")
         engine = current()
         check_model_device(model, engine.device(), "train_one_cycle")
         autocast = autocast_context(o.precision, engine.device())
@@ -197,7 +203,7 @@ class _Run:
         """The epoch table, the replicas' common weights and the device's running loss."""
         self.table = EpochTable(self.o.epochs, ["epoch", "train_loss"]
                                 + (["valid_loss"] + list(self.o.names) if self.valid else [])
-                                + ["lr", "time", "samples/s"], enabled=self.o.progress)
+                                + ["lr", "time", "samples/s", "wait"], enabled=self.o.progress)
         self.engine.sync_module(self.model)  # replicas that drew different weights start from the master's
         self.loss_sum = self.engine.zeros(())
 
@@ -250,7 +256,7 @@ def _log_after_step(run: _Run, batches_done: int, bar) -> None:
     step = run.at.step
 
     def log(total):
-        value = total.item() / batches_done
+        value = float(total.cpu()) / batches_done  # not .item(): torch_xla lists that as a CPU fallback
         run.history.logged.append((step, value))
         run.table.set_comment(bar, f"loss {value:.4f}")
     run.engine.after_step(log, run.loss_sum)
@@ -268,16 +274,18 @@ def _end_epoch(run: _Run, epoch: int, resume: Resume) -> None:
     train_loss, rest = values[0], values[1:]
     run.guard.check_epoch(train_loss, run.at.step)
     metric_values = dict(zip(run.o.names, rest[1:]))
+    wait = run.history.input = run.train.input_wait
     e = EpochStats(epoch, train_loss, rest[0] if rest else None, metric_values,
                    run.history.lrs[-1], seconds, run.samples * run.engine.replicas / seconds, 0, 0,
-                   skipped=len(run.train.skipped))
+                   skipped=len(run.train.skipped), input_wait=wait.share if wait else None)
     _save_best(run, e, {"train_loss": e.train_loss, "valid_loss": e.valid_loss, **metric_values})
     counts = xla_counts()
     e.compiles = counts["compiles"] - run.began[0]["compiles"]
     e.transfers = counts["transfers"] - run.began[0]["transfers"]
     run.history.epochs.append(e)
     run.table.row([epoch + 1, train_loss] + ([e.valid_loss] + list(metric_values.values()) if run.valid else [])
-                  + [e.lr, f"{seconds:.1f}s", f"{e.samples_per_s:.0f}"])
+                  + [e.lr, f"{seconds:.1f}s", f"{e.samples_per_s:.0f}",
+                     f"{e.input_wait:.0%}" if wait else "-"])
     resume.after_epoch(epoch)
 
 

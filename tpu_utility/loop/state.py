@@ -7,6 +7,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
+from ..input_wait import InputWait
+
 
 @dataclass
 class EpochStats:
@@ -21,6 +23,7 @@ class EpochStats:
     transfers: int  # device-to-host reads during the epoch
     saved: bool = False
     skipped: int = 0  # samples that failed to load and were replaced (make_loader(skip_errors=True))
+    input_wait: Optional[float] = None  # the share of the training epoch spent waiting for batches
 
 
 @dataclass
@@ -33,6 +36,7 @@ class History:
     logged: List[tuple] = field(default_factory=list)  # (step, running train loss)
     best: Optional[float] = None
     plot: Optional[str] = None
+    input: Optional[InputWait] = None  # the training loader's last epoch: waits, workers, source
 
     def __getitem__(self, name: str) -> List:
         """A column over epochs: `history["valid_loss"]`, `history["accuracy"]`."""
@@ -46,6 +50,7 @@ class History:
         self.lrs, self.moms = list(h["lrs"]), list(h["moms"])
         self.logged = [tuple(x) for x in h["logged"]]
         self.best, self.plot = h["best"], h["plot"]
+        self.input = InputWait(**h["input"]) if h.get("input") else None  # older checkpoints: none
 
 
 @dataclass
