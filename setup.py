@@ -37,6 +37,8 @@ setup(
         # The stacks the suite runs on (torch_xla X.Y.Z works with torch X.Y.Z only).
         "kaggle": ["torch==2.8.0", "torch_xla==2.8.0"],  # Kaggle's TPU image, Python 3.12
         "colab": ["torch==2.9.0", "torch_xla==2.9.0"],  # Colab's TPU runtime, Python 3.13
-        "dev": TEST + ["torch==2.9.0", "torch_xla==2.9.0"],
+        # torchvision: benchmarks/bench_augment.py's baseline is the Kaggle pipeline that
+        # uses it (Kaggle's and Colab's images ship it); 0.24.0 is torch 2.9.0's.
+        "dev": TEST + ["torch==2.9.0", "torch_xla==2.9.0", "torchvision==0.24.0"],
     },
 )

@@ -5,8 +5,11 @@
 1. setup_tpu: find the TPU (or CPU) and fix the host.
 2. Make a Kaggle-style dataset once: JPEGs of shapes (4 classes, random colour, size,
    position and background noise) and a train.csv of id,label.
-3. presize_images, then cache_dataset (with augmented copies), so epochs read arrays.
-4. show_batch, lr_find, then train_one_cycle on 8 cores, predict on the held-out split.
+3. presize_images, then cache_dataset, so epochs read uint8 arrays instead of decoding JPEGs.
+4. show_batch, lr_find, then train_one_cycle on 8 cores with fresh augmentation on the
+   device every epoch (aug_transforms' preset and up-down flips), predict on the held-out split.
+   `--augment copies` trains instead on 2 augmented copies frozen into the cache (the
+   original TPU_utility's cure), for comparison.
 5. Print the validation accuracy and an XLA summary; save the PNGs.
 
 Run it again and it reuses the generated, presized and cached data.
@@ -87,7 +90,8 @@ def make_images(root, count, width=640, height=480):
 
 
 def augment(size):
-    """Random flips and 90-degree turns, then a uint8 CHW tensor: done once, at caching."""
+    """Random flips and 90-degree turns, then a uint8 CHW tensor: done once, at caching
+    (`--augment copies`: the copies are frozen for every epoch)."""
     def transform(img):
         import numpy as np
         x = torch.from_numpy(np.array(img.convert("RGB").resize((size, size)))).permute(2, 0, 1)
@@ -114,22 +118,29 @@ def make_model(width=12):
                          nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(4 * width, len(CLASSES)))
 
 
-def normalized(batch):
-    """Batches arrive as uint8; normalise on the device (a quarter of the bytes to upload)."""
-    x, y = batch
-    return tu.normalize(x), y
+def augmentation(mode):
+    """Fresh flips, a mild turn and zoom, and lighting for every sample of every epoch, on
+    the device (batches upload as uint8 and are normalised there); with frozen copies, only
+    the normalisation."""
+    if mode == "copies":
+        return tu.aug_transforms(flip=False, max_rotate=0.0, max_zoom=1.0, brightness=0.0,
+                                 contrast=0.0, normalize="imagenet")
+    # aug_transforms' preset, plus up-down flips; "border": what a turn brings in from
+    # outside repeats the background (reflection would mirror parts of the shape into view)
+    return tu.aug_transforms(flip_vert=True, pad_mode="border", normalize="imagenet")
 
 
-def train_fn(cache_dir, lr, epochs, batch_size, out):
-    train = tu.open_cache(os.path.join(cache_dir, "train"))
+def train_fn(cache_dir, lr, epochs, batch_size, out, mode):
+    train = tu.open_cache(os.path.join(cache_dir, f"train-{mode}"))
     valid = tu.open_cache(os.path.join(cache_dir, "valid"))
     torch.manual_seed(0)
     model = make_model().to(tu.get_device())
     opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=1e-4)
-    hist = tu.train_one_cycle(model, tu.make_loader(train, batch_size), opt, F.cross_entropy, epochs,
-                              valid_loader=tu.make_loader(valid, batch_size, train=False),
-                              metrics=[tu.accuracy], batch_fn=normalized,
-                              plot=os.path.join(out, "training.png"))
+    aug = augmentation(mode)
+    hist = tu.train_one_cycle(model, tu.make_loader(train, batch_size, augment=aug), opt,
+                              F.cross_entropy, epochs,
+                              valid_loader=tu.make_loader(valid, batch_size, train=False, augment=aug),
+                              metrics=[tu.accuracy], plot=os.path.join(out, "training.png"))
     logits = tu.predict(model, valid, batch_size=batch_size, batch_fn=lambda b: (tu.normalize(b[0]), None))
     return {"history": hist, "logits": logits, "report": tu.report(hist, verbose=False),
             "cores": tu.world_size()}
@@ -139,15 +150,20 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--images", type=int, default=3000)
     p.add_argument("--size", type=int, default=32, help="training image side, pixels")
-    p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--epochs", type=int, default=None,
+                   help="default 16, or 8 with --augment copies: the same steps (2 copies double an epoch)")
     p.add_argument("--batch-size", type=int, default=32, help="per core")
     p.add_argument("--data", default=os.path.join(".cache", "demo"))
     p.add_argument("--out", default="demo-output")
     p.add_argument("--min-accuracy", type=float, default=0.9, help="exit 1 below this")
     p.add_argument("--lr-find-steps", type=int, default=100, help="lr_find's num_it")
+    p.add_argument("--lr", type=float, default=None, help="max lr (default: lr_find's valley)")
+    p.add_argument("--augment", choices=["device", "copies"], default="device",
+                   help="fresh on-device augmentation, or 2 augmented copies frozen in the cache")
     p.add_argument("--data-only", action="store_true",
                    help="make, presize and cache the images, then stop (before a TPU session)")
     args = p.parse_args()
+    args.epochs = args.epochs or (8 if args.augment == "copies" else 16)
     start = time.perf_counter()
     info = tu.setup_tpu()
     os.makedirs(args.out, exist_ok=True)
@@ -161,10 +177,14 @@ def main():
     n_valid = len(full) // 5  # the last fifth is held out
     split = len(full) - n_valid
     cache_dir = os.path.join(args.data, f"cache-{args.size}")
-    full.transform = augment(args.size)
-    tu.cache_dataset(torch.utils.data.Subset(full, range(split)), os.path.join(cache_dir, "train"),
-                     copies=2, key=f"shapes-{args.images}-{args.size}-aug2")
     full_plain = tu.ImageCsvDataset(csv_path, small, transform=plain(args.size))
+    if args.augment == "copies":
+        full.transform = augment(args.size)
+        tu.cache_dataset(torch.utils.data.Subset(full, range(split)), os.path.join(cache_dir, "train-copies"),
+                         copies=2, key=f"shapes-{args.images}-{args.size}-aug2")
+    else:  # decoded once; augmented afresh on the device every epoch
+        tu.cache_dataset(torch.utils.data.Subset(full_plain, range(split)), os.path.join(cache_dir, "train-device"),
+                         key=f"shapes-{args.images}-{args.size}-train")
     valid = tu.cache_dataset(torch.utils.data.Subset(full_plain, range(split, len(full_plain))),
                              os.path.join(cache_dir, "valid"), key=f"shapes-{args.images}-{args.size}-valid")
     tu.show_batch(valid, 16, os.path.join(args.out, "batch.png"), labels=full.classes)
@@ -179,17 +199,24 @@ def main():
     # its suggestion then needs no scaling rule.
     cores = info.num_devices
     scaled = tu.scale_lr_bs(1e-3, args.batch_size, cores=cores, verbose=False)
-    found = tu.lr_find(model, tu.make_loader(tu.open_cache(os.path.join(cache_dir, "train")),
-                                             scaled.global_batch_size),
-                       opt, F.cross_entropy, num_it=args.lr_find_steps, batch_fn=normalized,
+    found = tu.lr_find(model, tu.make_loader(tu.open_cache(os.path.join(cache_dir, f"train-{args.augment}")),
+                                             scaled.global_batch_size, augment=augmentation(args.augment)),
+                       opt, F.cross_entropy, num_it=args.lr_find_steps,
                        plot=os.path.join(args.out, "lr_find.png"))
     print(f"lr_find: valley {found.suggestion:.2e} at a batch of {scaled.global_batch_size}")
-    out = tu.run(train_fn, cores=cores, args=(cache_dir, found.suggestion, args.epochs, args.batch_size, args.out))
+    train_start = time.perf_counter()
+    out = tu.run(train_fn, cores=cores, args=(cache_dir, args.lr or found.suggestion, args.epochs, args.batch_size,
+                                              args.out, args.augment))
+    train_s = time.perf_counter() - train_start
 
     labels = torch.tensor([int(valid[i][1]) for i in range(len(valid))])
     accuracy = (out["logits"].argmax(1) == labels).float().mean().item()
     hist = out["history"]
-    print(f"\nvalidation accuracy (predict on the {len(labels)} held-out images): {accuracy:.1%}")
+    print(f"\nvalidation accuracy (predict on the {len(labels)} held-out images): {accuracy:.1%} "
+          f"(augmentation: {'fresh, on the device' if args.augment == 'device' else '2 frozen copies'}; "
+          f"run() with {args.epochs} epochs: {train_s:.0f} s)")
+    waits = [f"{e.input_wait:.0%}" for e in hist.epochs]
+    print(f"input wait per epoch: {', '.join(waits)}")
     rep = out["report"]
     print(f"XLA on {out['cores']} cores: {rep.compiles} compiles ({rep.compile_s:.1f} s), "
           f"compiles per epoch {[e.compiles for e in hist.epochs]}, host transfers per epoch "
