@@ -75,3 +75,14 @@ def test_bench_training_smoke():
     for c in (1, 8):  # same initial weights, permutation and schedule: the same final loss
         losses = [float(rows[c, v][9]) for v in variants]
         assert max(losses) - min(losses) < 1e-4, out
+
+
+def test_bench_augment_smoke():
+    import pytest
+    pytest.importorskip("torchvision")  # the Kaggle pipeline's baseline; in the dev set-up only
+    out = bench("bench_augment.py", "--images", "64", "--steps", "5")
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.splitlines()
+            if line.startswith(("| a. normalize", "| b. demo preset", "| c. every op"))]
+    assert len(rows) == 3, out
+    assert [row[-1] for row in rows] == ["0", "0", "0"], out  # nothing compiles in the timed steps
+    assert "executed fallback ops (run on the host): none" in out

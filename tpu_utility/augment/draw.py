@@ -20,6 +20,7 @@ every right shift here is done on a non-negative value.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -65,9 +66,16 @@ def sample_keys(seed: int, epoch: int, places: Sequence[int]):
 def uniforms(keys, n: int):
     """[len(keys), n] floats in [0, 1): stream j of every sample, on the keys' device."""
     import torch
-    streams = mix32(torch.arange(1, n + 1, dtype=torch.int32, device=keys.device) * _GOLDEN)
-    h = mix32(keys.reshape(-1, 1) ^ streams.reshape(1, -1))
+    h = mix32(keys.reshape(-1, 1) ^ _streams(n).to(keys.device).reshape(1, -1))
     return _shr(h, 8).to(torch.float32) * 2.0 ** -24  # 24 bits: exact in float32
+
+
+@functools.lru_cache(maxsize=8)
+def _streams(n: int):
+    """The n streams' own hashes, on the host once (n int32s upload with each batch's ops,
+    rather than a hash traced into every step)."""
+    import torch
+    return mix32(torch.arange(1, n + 1, dtype=torch.int32) * _GOLDEN)
 
 
 def normal(u1, u2):
@@ -98,9 +106,8 @@ def gamma(alpha: float, u):
     v = (1.0 + c * z) ** 3
     accept = torch.log1p(-u[:, 1 + 2 * t:]) < 0.5 * z * z + d - d * v + d * torch.log(v.clamp_min(1e-30))
     accept = accept & (v > 0)
-    out = torch.full_like(z[:, 0], d)
-    for k in reversed(range(t)):  # the first accepted candidate wins
-        out = torch.where(accept[:, k], d * v[:, k], out)
+    first = accept.to(torch.int32).argmax(1, keepdim=True)  # the first accepted candidate
+    out = torch.where(accept.any(1), (d * v).gather(1, first.to(torch.int64)).squeeze(1), torch.full_like(z[:, 0], d))
     if alpha < 1:
         out = out * (1.0 - u[:, 0]) ** (1.0 / alpha)
     return out
@@ -109,5 +116,5 @@ def gamma(alpha: float, u):
 def beta(alpha: float, u):
     """Beta(alpha, alpha) draws from `u`, [N, 2 * gamma_streams()] uniforms."""
     n = gamma_streams()
-    g1, g2 = gamma(alpha, u[:, :n]), gamma(alpha, u[:, n:2 * n])
-    return g1 / (g1 + g2).clamp_min(1e-30)
+    g = gamma(alpha, u[:, :2 * n].reshape(-1, n)).reshape(-1, 2)  # both gammas in one pass
+    return g[:, 0] / g.sum(1).clamp_min(1e-30)

@@ -44,19 +44,17 @@ def warp(x, theta, size: Tuple[int, int], pad_mode: str = "reflection"):
     sx = t[:, 0, 0:1] * gx + t[:, 0, 1:2] * gy + t[:, 0, 2:3]  # [N, P] input coordinates
     sy = t[:, 1, 0:1] * gx + t[:, 1, 1:2] * gy + t[:, 1, 2:3]
     px, py = _source_pixels(sx, w, pad_mode), _source_pixels(sy, h, pad_mode)
-    x0, y0 = px.floor(), py.floor()
-    fx, fy = px - x0, py - y0
-    index, weight = [], []
-    for dy, wy in ((0, 1 - fy), (1, fy)):
-        for dx, wx in ((0, 1 - fx), (1, fx)):
-            xi, yi = x0 + dx, y0 + dy
-            inside = (xi >= 0) & (xi <= w - 1) & (yi >= 0) & (yi <= h - 1)
-            index.append(yi.clamp(0, h - 1) * w + xi.clamp(0, w - 1))
-            weight.append(torch.where(inside, wx * wy, torch.zeros_like(wx)))
-    index = torch.cat(index, 1).to(torch.int64)  # [N, 4P]
-    weight = torch.stack(weight, 1).unsqueeze(1)  # [N, 1, 4, P]
+    # The 4 neighbours at once, [N, 2 (dy), 2 (dx), P]; a neighbour's bilinear weight is
+    # (1 - |its x - px|)(1 - |its y - py|), 0 for one a whole pixel away.
+    step = torch.arange(2, device=dev, dtype=torch.float32)
+    xi = px.floor().reshape(n, 1, 1, -1) + step.reshape(1, 1, 2, 1)
+    yi = py.floor().reshape(n, 1, 1, -1) + step.reshape(1, 2, 1, 1)
+    weight = (1 - (xi - px.reshape(n, 1, 1, -1)).abs()) * (1 - (yi - py.reshape(n, 1, 1, -1)).abs())
+    if pad_mode == "zeros":  # elsewhere the coordinates are clamped: no neighbour is outside
+        weight = weight * ((xi >= 0) & (xi <= w - 1) & (yi >= 0) & (yi <= h - 1))
+    index = (yi.clamp(0, h - 1) * w + xi.clamp(0, w - 1)).to(torch.int64).reshape(n, -1)  # [N, 4P]
     values = torch.gather(x.reshape(n, c, h * w), 2, index.unsqueeze(1).expand(n, c, index.shape[1]))
-    return (values.reshape(n, c, 4, -1) * weight).sum(2).reshape(n, c, ho, wo)
+    return (values.reshape(n, c, 4, -1) * weight.reshape(n, 1, 4, -1)).sum(2).reshape(n, c, ho, wo)
 
 
 def _source_pixels(s, size: int, pad_mode: str):
