@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Optional
 
 HIGH = 0.2  # a share of the epoch above which report() says the device starves
@@ -38,9 +38,6 @@ class InputWait:
     @property
     def samples_per_s(self) -> float:
         return self.samples / self.seconds if self.seconds > 0 else 0.0
-
-    def state_dict(self) -> dict:
-        return asdict(self)
 
 
 class Meter:
@@ -81,15 +78,15 @@ def source_of(dataset, rows_only: bool) -> str:
     return "image files" if isinstance(inner, (ImageCsvDataset, ImageFolderDataset)) else "samples"
 
 
-def cure(wait: InputWait, replicas_per_host: int = 1) -> str:
-    """One sentence: the measured wait, and the cheapest remedy that fits this loader."""
-    cpus = os.cpu_count() or 1
-    share = cpus // max(1, replicas_per_host)
+def cure(wait: InputWait, workers_fit: int) -> str:
+    """One sentence: the measured wait, and the cheapest remedy that fits this loader.
+    `workers_fit` is what make_loader would give a dataset that does work per sample here
+    (`data.default_workers`)."""
     said = (f"the training loop waited for its next batch {wait.share:.0%} of epoch {wait.epoch + 1} "
             f"({wait.samples_per_s:.0f} samples/s per replica, {wait.workers} DataLoader workers, "
-            f"{cpus} CPUs on this host)")
-    if wait.source != "rows" and wait.workers < min(4, share) and share >= 2:
-        fix = (f"give the loader the host's cores: make_loader(..., num_workers={min(4, share)})")
+            f"{os.cpu_count() or 1} CPUs on this host)")
+    if wait.source != "rows" and wait.workers < workers_fit:
+        fix = f"give the loader the host's cores: make_loader(..., num_workers={workers_fit})"
     elif wait.source == "image files":
         fix = ("shrink the images once with tu.presize_images, then decode them once with "
                "tu.cache_dataset; augment with make_loader(..., augment=tu.aug_transforms())")
@@ -97,10 +94,11 @@ def cure(wait: InputWait, replicas_per_host: int = 1) -> str:
         fix = ("do each sample's work once with tu.cache_dataset(ds, path) so an epoch reads "
                "arrays, and move random augmentation to the device with make_loader(..., "
                "augment=tu.aug_transforms())")
-    else:
+    elif not wait.augmented:
         fix = ("the samples are already rows in memory or a cache: upload uint8 images (a quarter "
                "of float32's bytes) and do the rest on the device with make_loader(..., "
-               "augment=tu.aug_transforms())" if not wait.augmented else
-               "the samples are already uint8 rows augmented on the device: a larger batch per "
+               "augment=tu.aug_transforms())")
+    else:
+        fix = ("the samples are already uint8 rows augmented on the device: a larger batch per "
                "step spreads the per-batch cost")
     return f"{said}: {fix}"
