@@ -45,16 +45,23 @@ def as_loader(data, *, train: bool, name: str, pad: bool = False, batch_size: Op
 
 
 def split_batch(batch, batch_fn=None, need_target: bool = True):
+    """(inputs, target) of a batch; without `need_target` (predict), a bare tensor or dict is
+    the inputs, and so is the first item of a 1-tuple or an (inputs, target) pair."""
     if batch_fn is not None:
         return batch_fn(batch)
+    if not need_target:
+        if not isinstance(batch, (list, tuple)):
+            return batch, None
+        if len(batch) in (1, 2):
+            return batch[0], None
+        raise ValueError(f"a batch of {len(batch)} items is not inputs, (inputs,) or (inputs, "
+                         f"target): pass batch_fn=lambda batch: (inputs, None)")
     if isinstance(batch, (list, tuple)) and len(batch) == 2:
         if getattr(batch[1], "dtype", None) is not None and str(batch[1].dtype) == "torch.bool":
             raise TypeError("the batch's target is a bool tensor, which the loss cannot take on "
                             "XLA: make labels long (for cross_entropy) or float (for BCE) in the "
                             "dataset, or pass batch_fn=lambda b: (b[0], b[1].float())")
         return batch[0], batch[1]
-    if not need_target and isinstance(batch, (list, tuple)) and len(batch) == 1:
-        return batch[0], None
     raise ValueError(f"a batch of {type(batch).__name__} is not (inputs, target): pass "
                      f"batch_fn=lambda batch: (inputs, target)")
 
