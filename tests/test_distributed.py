@@ -23,8 +23,9 @@ def run(fn, cores, *args, start_method="fork", timeout=120):
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
-def test_swapped_script_matches_one_process_over_the_same_global_batches(world):
+def test_swapped_script_matches_one_process_over_the_same_global_batches(world, capfd):
     out = run(tpu_train.train_fn, world)
+    assert "[Gloo]" not in capfd.readouterr().out  # gloo's "Rank N is connected" line, per replica
     ref = reference_train(global_batch=64 * world)
     diff = max_param_diff(out["state"], ref["state"])
     print(f"world {world}: max parameter difference {diff:.2e}")

@@ -84,6 +84,10 @@ LAUNCH_SCRIPT = """
     def sleeping():
         time.sleep(60)
 
+    def nesting():
+        torch.ones(1, device=tu.get_device())
+        return tu.run(sleeping, cores=8)
+
     if __name__ == "__main__":
         method = sys.argv[1] if len(sys.argv) > 1 else "START_METHOD"
         res = {}
@@ -106,6 +110,10 @@ LAUNCH_SCRIPT = """
                 tu.run(sleeping, cores=1, engine="launch", start_method=method, timeout=3)
             except TimeoutError as e:
                 res["timeout"] = str(e)
+            try:
+                tu.run(nesting, cores=1, engine="launch", start_method=method)
+            except RuntimeError as e:
+                res["nested"] = str(e)
         res["orphans"] = len(multiprocessing.active_children()) + len(child_processes())
         print("RESULT", json.dumps(res))
 """
@@ -122,5 +130,7 @@ def test_launch_path_returns_result_and_reraises_replica_errors(run_script, meth
     if method == "fork":
         assert "exit codes" in r["crash"] and ": 3" in r["crash"]
         assert "timed out" in r["timeout"]
+        assert "run() was called inside train_fn" in r["nested"]  # not "restart the kernel"
+        assert "Restart" not in r["nested"] and "top level" in r["nested"]
     assert r["orphans"] == 0
     print(f"{method}: replica error re-raised after {r['error_s']:.1f} s")

@@ -13,6 +13,7 @@ from .launcher import ReplicasExited, run
 from .loop import accuracy, gather, lr_find, predict, train_one_cycle
 from .preemption import Preempted
 from .reporting import report
+from .stall import Stalled
 
 __all__ = ["setup_tpu", "get_device", "optimizer_step", "make_loader", "scale_lr_bs", "run",
            "train_one_cycle", "lr_find", "predict", "save", "accuracy", "master_print",
@@ -20,4 +21,4 @@ __all__ = ["setup_tpu", "get_device", "optimizer_step", "make_loader", "scale_lr
            "PresizeReport", "ImageCsvDataset", "ImageFolderDataset", "cache_dataset",
            "open_cache", "CachedDataset", "show_batch", "normalize", "denormalize",
            "ReplicasExited", "autocast", "GradScaler", "gather", "save_state", "load_state",
-           "Preempted", "to_cpu", "aug_transforms"]
+           "Preempted", "Stalled", "to_cpu", "aug_transforms"]

@@ -136,8 +136,11 @@ def open_cache(path: PathLike, key: Optional[str] = None) -> CachedDataset:
     if key is not None and manifest["key"] != key:
         raise ValueError(f"cache {path} was built with key={manifest['key']!r}, not key={key!r}: "
                          f"it is stale. Rebuild it with cache_dataset(..., rebuild=True)")
+    odd = _odd_leaf(path, manifest)
+    if odd:
+        raise partial(f"{_MANIFEST}: {odd}")
     for leaf in (leaf for leaf in manifest["leaves"] if leaf["file"]):
-        try:
+        try:  # never pickled objects: open_memmap refuses an object dtype
             a = np.lib.format.open_memmap(os.path.join(path, leaf["file"]), mode="r")
         except (OSError, ValueError) as e:
             raise partial(f"{leaf['file']}: {e}") from None
@@ -146,6 +149,40 @@ def open_cache(path: PathLike, key: Optional[str] = None) -> CachedDataset:
             raise partial(f"{leaf['file']} holds {a.shape} {a.dtype}, the manifest says "
                           f"{expected} {leaf['dtype']}")
     return CachedDataset(path, manifest)
+
+
+_KINDS = ("tensor", "ndarray", "numpy_scalar", "int", "float", "bool", "none")
+
+
+def _odd_leaf(path: str, manifest: dict) -> Optional[str]:
+    """What in a manifest cache_dataset cannot have written, or None. The manifest is data
+    from disk (a cache may come from a Kaggle dataset): it names only plain files in the
+    cache folder, leaf kinds we know, torch dtypes, and a structure of plain containers."""
+    import torch
+    leaves = manifest["leaves"]
+    if not isinstance(leaves, list) or not all(isinstance(leaf, dict) for leaf in leaves):
+        return "its leaves are not a list of entries"
+    for leaf in leaves:
+        file, kind, dtype = leaf.get("file"), leaf.get("kind"), leaf.get("torch_dtype")
+        if kind not in _KINDS:
+            return f"unknown leaf kind {kind!r}"
+        if not isinstance(file, str) or (file and (os.path.basename(file) != file
+                                                   or file in (".", "..")
+                                                   or os.path.islink(os.path.join(path, file)))):
+            return f"leaf file {file!r} is not a plain file of the cache folder"
+        if kind == "tensor" and not isinstance(getattr(torch, str(dtype), None), torch.dtype):
+            return f"{dtype!r} is not a torch dtype"
+    return None if _plain_structure(manifest["structure"]) else "its sample structure is not plain"
+
+
+def _plain_structure(node) -> bool:
+    """A structure of dicts, lists, tuples and leaves only, as `flatten(plain=True)` writes."""
+    if not isinstance(node, dict) or node.get("type") is not None:
+        return False
+    if node.get("t") == "leaf":
+        return isinstance(node.get("i"), int)
+    return node.get("t") in ("dict", "list", "tuple") and isinstance(node.get("c"), list) \
+        and all(_plain_structure(c) for c in node["c"])
 
 
 def cache_dataset(dataset, path: PathLike, *, copies: int = 1, key: str = "",

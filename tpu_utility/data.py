@@ -205,6 +205,7 @@ class DeviceLoader:
                 meter.ask()
                 batch = next(batches, _END)
                 meter.got()
+                state.engine.beat()
                 if batch is _END or guard.error is not None:  # not the batches prefetched before it
                     break
                 n += 1

@@ -16,6 +16,7 @@ import queue as queue_mod
 import re
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import time
@@ -29,6 +30,8 @@ from .devices import to_cpu
 from .environment import in_notebook, setup_tpu, xla_version
 from .files import atomic_write
 from .preemption import Preempted, StopBoard, on_sigterm, sharing
+from .stall import (DEFAULT_STALL_S, Heartbeats, check_stall_timeout, collect_dumps,
+                    dump_on_signal, stalled)
 
 _POLL_S = 0.5
 _PREEMPT_GRACE_S = 120.0  # from SIGTERM to the replicas' final checkpoint and exit
@@ -59,7 +62,8 @@ class ReplicasExited(RuntimeError):
 
 def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), *,
         engine: Optional[str] = None, start_method: Optional[str] = None,
-        timeout: Optional[float] = None) -> Any:
+        timeout: Optional[float] = None,
+        stall_timeout: Optional[float] = DEFAULT_STALL_S) -> Any:
     """Run `train_fn(*args)` on one core or on all of them and return its result on CPU.
 
     `cores=1` runs on one device; `cores=8` (all devices) runs one replica per TPU core,
@@ -73,7 +77,10 @@ def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), 
     runtime: a `cores=1` run, then a `cores=8` run, work in one notebook kernel. What
     train_fn returns on the master replica comes back with its tensors on CPU. An error
     in any replica is re-raised here with that replica's traceback and every replica is
-    stopped; `timeout` (seconds) bounds the whole run. Replicas die with this process,
+    stopped; `timeout` (seconds) bounds the whole run. When no replica gets a batch or
+    finishes an optimizer step for `stall_timeout` seconds (30 minutes; None: never), the
+    replicas' Python stacks are dumped and the run stops with `Stalled`, which names the
+    line each replica waits on. Replicas die with this process,
     whatever ends it (SIGTERM, SIGKILL, a kernel restart). Without torch_xla, one device
     runs here, in this process.
 
@@ -84,7 +91,14 @@ def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), 
         >>> tu.run(train_fn, cores=1, start_method="fork")
         tensor([2., 2.])
     """
+    if engines.in_run():
+        raise RuntimeError(
+            f"run() was called inside train_fn, which is already replica {engines.current().rank} "
+            f"of a run(): a replica cannot start replicas of its own. Call the function "
+            f"directly inside train_fn (it already runs on every core), or call run() at the "
+            f"top level of your notebook or script.")
     args = _check_run_arguments(train_fn, args, start_method, timeout)
+    stall_timeout = check_stall_timeout(stall_timeout)
     info = setup_tpu(verbose=False)
     cls = engines.choose(cores, info, engine)
     if start_method is not None and start_method not in cls.start_methods:
@@ -111,17 +125,19 @@ def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), 
         # go through files, written whole before they are named.
         results = ctx.Queue()
         board = StopBoard(expected, ctx)
-        outbox = tempfile.mkdtemp(prefix="tpu_utility-run-")
+        outbox = tempfile.mkdtemp(prefix="tpu_utility-run-")  # mode 0700: ours alone
+        beats = Heartbeats(nprocs, ctx) if stall_timeout is not None else None
         procs = [ctx.Process(target=_process_main, name=f"tpu_utility-{cls.name}-{r}",
                              args=(cls, setup, cores, r, nprocs, train_fn, args, results,
-                                   start_method, outbox, os.getpid(), board))
+                                   start_method, outbox, os.getpid(), board, beats))
                  for r in range(nprocs)]
+        watch = _Watch(beats, stall_timeout, procs, outbox)
         try:
             for p in procs:
                 p.start()
             previous = signal.getsignal(signal.SIGTERM)
             with on_sigterm(functools.partial(_on_sigterm, board, previous)):
-                return _collect(procs, results, expected, timeout, start_method, board)
+                return _collect(procs, results, expected, timeout, start_method, board, watch)
         finally:
             _stop(procs)
             shutil.rmtree(outbox, ignore_errors=True)
@@ -191,13 +207,32 @@ def _on_sigterm(board, previous, signum, frame) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _collect(procs, results, expected: int, timeout, start_method: str, board):
+class _Watch:
+    """run's side of stall detection: the heartbeats, and where each process dumps its stacks."""
+
+    def __init__(self, beats, stall_timeout, procs, outbox):
+        self.beats, self.stall_timeout, self.procs = beats, stall_timeout, procs
+        self.dumps = [_dump_path(outbox, r) for r in range(len(procs))]
+
+    def check(self) -> None:
+        if self.beats is None:
+            return
+        silent = self.beats.silent_for()
+        if silent > self.stall_timeout:
+            raise stalled(silent, self.stall_timeout, collect_dumps(self.procs, self.dumps))
+
+
+def _dump_path(outbox: str, local_rank: int) -> str:
+    return os.path.join(outbox, f"stack-{local_rank}.txt")
+
+
+def _collect(procs, results, expected: int, timeout, start_method: str, board, watch):
     deadline = None if timeout is None else time.monotonic() + timeout
     done, master, started = 0, None, set()
     while done < expected:
         try:
             rank, status, path = _next_message(procs, results, deadline, timeout, done, expected,
-                                               board)
+                                               board, watch)
         except ReplicasExited as e:
             raise ReplicasExited(f"{e}{_start_hint(procs, started, start_method)}") from None
         if status == "started":
@@ -208,7 +243,9 @@ def _collect(procs, results, expected: int, timeout, start_method: str, board):
         done += 1
         if rank == 0:
             import torch
-            master = torch.load(path, weights_only=False)
+            # train_fn's own return value (any picklable object), written by this run's
+            # replica into run's private folder, so unpickling it runs nothing of anyone else's.
+            master = torch.load(_ours(path), weights_only=False)
     return master
 
 
@@ -256,7 +293,7 @@ def _script_unguarded() -> bool:
     return not re.search(r"""__name__\s*==\s*['"]__main__['"]|['"]__main__['"]\s*==\s*__name__""", source)
 
 
-def _next_message(procs, results, deadline, timeout, done, expected, board):
+def _next_message(procs, results, deadline, timeout, done, expected, board, watch):
     """The next replica report; raises within a second or two if a replica died silently,
     and at the deadline, or `_PREEMPT_GRACE_S` after a SIGTERM."""
     while True:
@@ -277,6 +314,7 @@ def _next_message(procs, results, deadline, timeout, done, expected, board):
                 raise ReplicasExited(f"replica processes exited after {done} of {expected} "
                                      f"results without reporting an error (exit codes "
                                      f"{_exit_codes(procs)})") from None
+        watch.check()
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"run() timed out (timeout={timeout:g} s) with {done} of {expected} "
                                f"replicas finished")
@@ -311,8 +349,12 @@ def _stop(procs) -> None:
 
 
 def _process_main(cls, setup, cores, local_rank, nprocs, train_fn, args, results, start_method,
-                  outbox, parent_pid, board) -> None:
+                  outbox, parent_pid, board, beats) -> None:
     die_with_parent(parent_pid)
+    beat = None
+    if beats is not None:
+        dump_file = dump_on_signal(_dump_path(outbox, local_rank))  # noqa: F841 (kept open)
+        beat = beats.slot(local_rank)
     results.put((local_rank, "started", None))
     if start_method == "fork":
         # torch's OpenMP pool (libgomp) hangs in a forked child if the parent used it, at
@@ -322,13 +364,14 @@ def _process_main(cls, setup, cores, local_rank, nprocs, train_fn, args, results
         torch.set_num_threads(1)
     try:
         cls.start(setup, local_rank, nprocs, cores,
-                  functools.partial(_replica_main, train_fn, args, results, outbox, board))
+                  functools.partial(_replica_main, train_fn, args, results, outbox, board, beat))
     except BaseException as e:  # the engine failed to start (a replica's own errors are reported)
         _report_error(results, outbox, local_rank, e)
 
 
-def _replica_main(train_fn, args, results, outbox, board, engine) -> None:
+def _replica_main(train_fn, args, results, outbox, board, beat, engine) -> None:
     import torch
+    engine.heartbeat = beat
     try:
         with sharing(board), engines.activate(engine):
             out = to_cpu(train_fn(*args))
@@ -369,5 +412,16 @@ def _report_error(results, outbox, rank, e) -> None:
 
 
 def _read(path: str):
-    with open(path, "rb") as f:
+    with open(_ours(path), "rb") as f:
         return pickle.load(f)
+
+
+def _ours(path: str) -> str:
+    """`path`, once it is known to be a plain file of ours: the folder run made is 0700, so
+    only this user's processes could have put anything there."""
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() \
+            or stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) & 0o077:
+        raise RuntimeError(f"run(): {path} is not a file this run's replicas wrote in its private "
+                           f"folder, so it is not read")
+    return path

@@ -29,6 +29,7 @@ class Engine:
     replicas: int = 1
     rank: int = 0
     local_replicas: int = 1  # replicas on this host, which share its CPU cores
+    heartbeat: Any = None  # set by run in each replica: stall.Beat, or None (no stall watch)
 
     # -- the launching side: classmethods, run in the caller; none starts a runtime ----------
 
@@ -94,6 +95,11 @@ class Engine:
         """Call `fn(*tensors)` once the step has run (now, where nothing is deferred)."""
         fn(*tensors)
 
+    def beat(self) -> None:
+        """Progress (a batch arrived, a step was taken), for run's stall watch: one store."""
+        if self.heartbeat is not None:
+            self.heartbeat.beat()
+
     def sync(self) -> None:
         """Run everything pending (XLA cuts its graph here)."""
 
@@ -146,7 +152,9 @@ class Engine:
     def optimizer_step(self, opt, **step_kwargs) -> Any:
         """`opt.step()` with the gradients averaged over replicas (`sync_gradients`)."""
         self.sync_gradients(opt)
-        return opt.step(**step_kwargs)
+        out = opt.step(**step_kwargs)
+        self.beat()
+        return out
 
     def sync_gradients(self, opt) -> None:
         """What must happen before a step of `opt`: its gradients averaged over replicas.
@@ -199,8 +207,8 @@ def cores_error(info: "TpuInfo", cores: int) -> str:
     """The sentence for a core count this host does not have."""
     if info.has_xla or info.has_tpu:
         if info.num_devices == 1:
-            return (f"cores must be 1 on this host (TPU {info.accelerator} has one core), "
-                    f"got {cores!r}")
+            one = f"TPU {info.accelerator} has one core" if info.has_tpu else "XLA:CPU with one device"
+            return f"cores must be 1 on this host ({one}), got {cores!r}"
         where = (f"TPU {info.accelerator}" if info.has_tpu
                  else "XLA:CPU (set CPU_NUM_DEVICES to change)")
         return f"cores must be 1 or {info.num_devices} on this host ({where}), got {cores!r}"

@@ -94,8 +94,9 @@ class Distributed(Engine):
         else:
             port = setup.ports.get(timeout=setup.timeout_s)
             store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-        dist.init_process_group(setup.backend, store=store, rank=local_rank, world_size=nprocs,
-                                timeout=timeout)
+        with _quiet_stdout(setup.backend == "gloo"):
+            dist.init_process_group(setup.backend, store=store, rank=local_rank,
+                                    world_size=nprocs, timeout=timeout)
         try:
             body(cls(setup.backend, local_rank, nprocs, cls._device_for(setup.backend, local_rank)))
         finally:
@@ -152,6 +153,26 @@ class Distributed(Engine):
             work.wait()
             flat /= self.replicas
             _copy_back(flat, bucket)
+
+
+@contextlib.contextmanager
+def _quiet_stdout(quiet: bool):
+    """gloo's C++ prints "[Gloo] Rank N is connected to M peer ranks" to file descriptor 1
+    as each replica joins (not through c10's logger: TORCH_CPP_LOG_LEVEL does not reach
+    it); errors still raise. The descriptor itself is pointed at /dev/null meanwhile."""
+    if not quiet:
+        yield
+        return
+    import sys
+    sys.stdout.flush()
+    saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
 
 
 def _buckets(tensors):

@@ -1,0 +1,113 @@
+"""run(stall_timeout=): a run in which nothing moves is stopped, and says where each replica waits.
+
+Real replicas: the "distributed" engine's processes over gloo, and an XLA replica whose
+loader thread is stuck in a dataset. Each test prints how long detection took, from the
+moment the hang began (written by the replica, on the system-wide monotonic clock) to
+the error in the caller.
+"""
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tpu_utility as tu
+from conftest import child_processes
+
+
+def _steps(hang_rank, hang_at, stamp, pause=0.0, steps=8):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ds = torch.utils.data.TensorDataset(torch.randn(16 * steps, 4), torch.randint(0, 2, (16 * steps,)))
+    for i, (x, y) in enumerate(tu.make_loader(ds, 8, num_workers=0)):
+        F.cross_entropy(model(x), y).backward()
+        if tu.rank() == hang_rank and i == hang_at:
+            with open(stamp, "w") as f:
+                f.write(repr(time.monotonic()))
+            threading.Event().wait()  # never reaches the collective in optimizer_step: HANG
+        time.sleep(pause)
+        tu.optimizer_step(opt)
+        opt.zero_grad()
+    return i + 1
+
+
+def _line_of(marker: str) -> int:
+    with open(__file__) as f:
+        return next(n for n, line in enumerate(f, 1) if marker in line and "_line_of" not in line)
+
+
+def test_a_replica_that_never_reaches_a_collective_is_named(tmp_path):
+    stamp = str(tmp_path / "hang")
+    with pytest.raises(tu.Stalled) as info:
+        tu.run(_steps, cores=2, args=(1, 2, stamp), engine="distributed", start_method="fork",
+               stall_timeout=2)
+    seconds = time.monotonic() - float(open(stamp).read())
+    message = str(info.value)
+    print(f"collective stall: detected {seconds:.1f} s after the hang began (stall_timeout=2)\n{message}")
+    assert f"replica 1 waits at test_stall.py:{_line_of('# never reaches')} in _steps" in message
+    assert f"replica 0 waits at test_stall.py:{_line_of('tu.optimizer_step(opt)')} in _steps" in message
+    assert "inside" in message and "_average_gradients" in message  # replica 0: in the all-reduce
+    assert "Current thread" in info.value.stacks or "Thread 0x" in info.value.stacks
+    assert 2 <= seconds < 2 + 5  # the poll (0.5 s) and the dump (< 3 s) on top of stall_timeout
+    assert child_processes() == []
+
+
+def test_a_slow_run_that_moves_is_not_stopped():
+    # 0.5 s per step, 16 steps per replica (8 s in all) under a 1.5 s stall_timeout.
+    out = tu.run(_steps, cores=2, args=(-1, -1, "", 0.5, 16), engine="distributed",
+                 start_method="fork", stall_timeout=1.5)
+    assert out == 16
+    assert child_processes() == []
+
+
+def test_stall_timeout_is_checked_before_anything_starts():
+    for bad in (0, -1, "1h", True):
+        with pytest.raises(ValueError, match="stall_timeout must be a number of seconds"):
+            tu.run(print, cores=1, engine="distributed", stall_timeout=bad)
+
+
+BLOCKING_DATASET = """
+    import json, os, threading, time, torch, tpu_utility as tu
+    import torch.nn.functional as F
+    from conftest import child_processes
+
+    class Mounted(torch.utils.data.Dataset):  # the files behind index 40 stopped answering
+        def __init__(self, stamp):
+            self.x, self.y, self.stamp = torch.randn(64, 4), torch.randint(0, 2, (64,)), stamp
+        def __len__(self):
+            return 64
+        def __getitem__(self, i):
+            if i == 40:
+                with open(self.stamp, "w") as f:
+                    f.write(repr(time.monotonic()))
+                threading.Event().wait()  # a read from a dead mount: BLOCKS
+            return self.x[i], self.y[i]
+
+    def train_fn(stamp):
+        model = torch.nn.Linear(4, 2).to(tu.get_device())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = tu.make_loader(Mounted(stamp), 4, shuffle=False, num_workers=0)
+        tu.train_one_cycle(model, loader, opt, F.cross_entropy, 1, progress=False)
+
+    if __name__ == "__main__":
+        try:
+            tu.run(train_fn, cores=1, args=("stamp",), start_method="fork", stall_timeout=3)
+        except tu.Stalled as e:
+            seconds = time.monotonic() - float(open("stamp").read())
+            print("RESULT", json.dumps({"message": str(e), "seconds": seconds,
+                                        "left": len(child_processes())}))
+"""
+
+
+def test_a_dataset_that_blocks_for_ever_is_named(run_script):
+    r = run_script(BLOCKING_DATASET).result
+    print(f"dataset stall: detected {r['seconds']:.1f} s after the hang began (stall_timeout=3)\n"
+          f"{r['message']}")
+    line = next(n for n, text in enumerate(BLOCKING_DATASET.splitlines(), 1) if "BLOCKS" in text)
+    assert "replica 0 waits at" in r["message"]
+    assert f":{line} in __getitem__ (`threading.Event().wait()" in r["message"]
+    assert 3 <= r["seconds"] < 3 + 5
+    assert r["left"] == 0
