@@ -1,3 +1,5 @@
+import os
+
 from setuptools import find_packages, setup
 
 TEST = [
@@ -7,38 +9,65 @@ TEST = [
     "ipykernel>=6.29",
 ]
 
+# The stacks the suite runs on: each image's torch + torch_xla pair, and the versions it
+# ships of every package we import or that shares our dependencies, so the tests see what
+# users have. torch_xla X.Y.Z works with torch X.Y.Z only.
+KAGGLE = [  # Kaggle's TPU image, Python 3.12 (Kaggle/docker-python tpu/, resolved 2026-03-16)
+    "torch==2.8.0", "torch_xla==2.8.0", "torchvision==0.23.0",
+    "numpy==2.4.3", "pillow==12.1.1",  # no fastprogress, no fastai
+]
+COLAB = [  # Colab's TPU runtime, Python 3.13 (googlecolab/backend-info pip-freeze.tpu.txt)
+    "torch==2.9.0", "torch_xla==2.9.0", "torchvision==0.24.0",
+    "numpy==2.1.3", "pillow==12.3.0",
+    "fastprogress==1.1.6", "fastcore==2.2.12", "python-fasthtml==0.14.11", "fastai==2.8.8",
+]
+
+here = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(here, "README.md"), encoding="utf-8") as f:
+    readme = f.read()
+
 setup(
     name="tpu_utility",
     version="0.1.0",
     description="Run a functional PyTorch CUDA script on one TPU core or on all eight.",
-    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description=readme,
     long_description_content_type="text/markdown",
+    license="MIT",
+    license_files=["LICENSE"],
     packages=find_packages(include=["tpu_utility", "tpu_utility.*"]),
     python_requires=">=3.10",  # tested on 3.10-3.13 (the classifiers); torch_xla has no 3.14 wheels
     classifiers=[
+        "Programming Language :: Python :: 3",
         "Programming Language :: Python :: 3.10",
         "Programming Language :: Python :: 3.11",
         "Programming Language :: Python :: 3.12",
         "Programming Language :: Python :: 3.13",
+        "Operating System :: POSIX :: Linux",
+        "Intended Audience :: Science/Research",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],
-    # No torch pin and no torch_xla here: Kaggle and Colab TPU images ship a matched
-    # pair, and pip must never replace it. torch_xla comes with the extras.
+    # Only what every TPU image already has, unpinned: installing tpu_utility changes no
+    # package of Kaggle's or Colab's image. No torch_xla here (a mismatched one breaks the
+    # image's pair; it comes with the extras), and no fastprogress: Kaggle's image has none,
+    # and 1.1 brings ~25 packages. Progress bars are drawn where it is installed.
     install_requires=[
         "torch",
         "numpy",
         "pillow",
-        "fastprogress>=1.0.3,<1.1",  # 1.1 pulls in python-fasthtml and ~25 packages
     ],
     extras_require={
         "xla": ["torch_xla"],
         "tpu": ["torch_xla[tpu]"],
-        # The test tools, without a stack: combine with one of the stacks below.
+        "bars": ["fastprogress>=1.0.3"],
+        # The test tools, without a stack: combine with one of the stacks.
         "test": TEST,
-        # The stacks the suite runs on (torch_xla X.Y.Z works with torch X.Y.Z only).
-        "kaggle": ["torch==2.8.0", "torch_xla==2.8.0"],  # Kaggle's TPU image, Python 3.12
-        "colab": ["torch==2.9.0", "torch_xla==2.9.0"],  # Colab's TPU runtime, Python 3.13
-        # torchvision: benchmarks/bench_augment.py's baseline is the Kaggle pipeline that
-        # uses it (Kaggle's and Colab's images ship it); 0.24.0 is torch 2.9.0's.
-        "dev": TEST + ["torch==2.9.0", "torch_xla==2.9.0", "torchvision==0.24.0"],
+        "kaggle": KAGGLE,
+        "colab": COLAB,
+        # The default development stack: torch_xla 2.9 on Python 3.10-3.13, fastprogress's
+        # 1.0 line (the images cover 1.1 and none); torchvision for bench_augment's Kaggle
+        # pipeline baseline (0.24.0 is torch 2.9.0's); build and twine make and check the
+        # wheel and sdist (.ci/wheel_check).
+        "dev": TEST + ["torch==2.9.0", "torch_xla==2.9.0", "torchvision==0.24.0",
+                       "fastprogress>=1.0.3,<1.1", "build>=1.2", "twine>=5"],
     },
 )

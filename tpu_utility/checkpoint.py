@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import os
 import pickle
+import re
 import warnings
 from typing import Any, Dict, List, Optional
 
@@ -154,6 +155,14 @@ def read(path: str) -> Optional[Dict[str, Any]]:
         return None
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)  # never unpickle code
+    except pickle.UnpicklingError as e:
+        # Not torch's message: it suggests weights_only=False, the very thing not to do here.
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        what = f" ({found.group(1)})" if found else ""
+        raise ValueError(f"checkpoint {path!r} holds something other than tensors and plain "
+                         f"Python values{what}, which could run code as it loads, so it was "
+                         f"not loaded: resume only from files save_state or train_one_cycle "
+                         f"wrote, or move it away to start afresh") from None
     except Exception as e:
         raise ValueError(f"checkpoint {path!r} cannot be read ({type(e).__name__}: {e}); it "
                          f"was not written by tpu_utility, or the disk lost it: move it away "

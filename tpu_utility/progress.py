@@ -1,9 +1,11 @@
 """Progress bars and the epoch table, for the training loops and long host jobs.
 
-Bars show in notebooks and terminals only. Piped output (CI logs, `nohup`) gets one
-line per epoch instead of a stream of carriage-return redraws: fastprogress 1.0.x
-treats every stdout as a terminal. Bars are updated with Python ints only, so a
-bar never reads the device.
+Bars are fastprogress's (1.0.x or 1.1.x), where it is installed: Colab's image ships
+1.1.6, Kaggle's none, and tpu_utility does not install it (1.1 would bring ~25 packages
+into the image). Without it, and in piped output (CI logs, `nohup`), the table is one
+plain line per epoch instead of a stream of carriage-return redraws: fastprogress
+treats every stdout as a terminal. Bars are updated with Python ints only, so a bar
+never reads the device.
 """
 from __future__ import annotations
 
@@ -16,10 +18,15 @@ from .environment import in_notebook
 
 def bars_wanted(enabled: bool = True) -> bool:
     """Whether to draw progress bars here: master replica, and a notebook or a terminal."""
-    if not enabled or not is_master():
+    if not enabled or not is_master() or not has_fastprogress():
         return False
     isatty = getattr(sys.stdout, "isatty", None)
     return in_notebook() or bool(isatty and isatty())
+
+
+def has_fastprogress() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("fastprogress") is not None
 
 
 def bar_classes():
