@@ -30,8 +30,7 @@ from .devices import to_cpu
 from .environment import in_notebook, setup_tpu, xla_version
 from .files import atomic_write
 from .preemption import Preempted, StopBoard, on_sigterm, sharing
-from .stall import (DEFAULT_STALL_S, Heartbeats, check_stall_timeout, collect_dumps,
-                    dump_on_signal, stalled)
+from .stall import DEFAULT_STALL_S, Heartbeats, Watch, check_stall_timeout, dump_on_signal, dump_path
 
 _POLL_S = 0.5
 _PREEMPT_GRACE_S = 120.0  # from SIGTERM to the replicas' final checkpoint and exit
@@ -131,7 +130,7 @@ def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), 
                              args=(cls, setup, cores, r, nprocs, train_fn, args, results,
                                    start_method, outbox, os.getpid(), board, beats))
                  for r in range(nprocs)]
-        watch = _Watch(beats, stall_timeout, procs, outbox)
+        watch = Watch(beats, stall_timeout, procs, outbox)
         try:
             for p in procs:
                 p.start()
@@ -205,25 +204,6 @@ def _on_sigterm(board, previous, signum, frame) -> None:
         return
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
-
-
-class _Watch:
-    """run's side of stall detection: the heartbeats, and where each process dumps its stacks."""
-
-    def __init__(self, beats, stall_timeout, procs, outbox):
-        self.beats, self.stall_timeout, self.procs = beats, stall_timeout, procs
-        self.dumps = [_dump_path(outbox, r) for r in range(len(procs))]
-
-    def check(self) -> None:
-        if self.beats is None:
-            return
-        silent = self.beats.silent_for()
-        if silent > self.stall_timeout:
-            raise stalled(silent, self.stall_timeout, collect_dumps(self.procs, self.dumps))
-
-
-def _dump_path(outbox: str, local_rank: int) -> str:
-    return os.path.join(outbox, f"stack-{local_rank}.txt")
 
 
 def _collect(procs, results, expected: int, timeout, start_method: str, board, watch):
@@ -353,7 +333,7 @@ def _process_main(cls, setup, cores, local_rank, nprocs, train_fn, args, results
     die_with_parent(parent_pid)
     beat = None
     if beats is not None:
-        dump_file = dump_on_signal(_dump_path(outbox, local_rank))  # noqa: F841 (kept open)
+        dump_file = dump_on_signal(dump_path(outbox, local_rank))  # noqa: F841 (kept open)
         beat = beats.slot(local_rank)
     results.put((local_rank, "started", None))
     if start_method == "fork":

@@ -54,6 +54,28 @@ class Beat:
         self._slots[self._index] = time.monotonic()
 
 
+class Watch:
+    """run's side: the heartbeats, and where each replica process dumps its stacks."""
+
+    def __init__(self, beats: Optional[Heartbeats], stall_timeout: Optional[float], procs,
+                 outbox: str):
+        self.beats, self.stall_timeout, self.procs = beats, stall_timeout, procs
+        self.dumps = [dump_path(outbox, r) for r in range(len(procs))]
+
+    def check(self) -> None:
+        """Raise `Stalled` once no replica process has made progress for stall_timeout."""
+        if self.beats is None:
+            return
+        silent = self.beats.silent_for()
+        if silent > self.stall_timeout:
+            raise stalled(silent, self.stall_timeout, collect_dumps(self.procs, self.dumps))
+
+
+def dump_path(outbox: str, local_rank: int) -> str:
+    """Where replica process `local_rank` writes its stacks, in run's private folder."""
+    return os.path.join(outbox, f"stack-{local_rank}.txt")
+
+
 def check_stall_timeout(stall_timeout) -> Optional[float]:
     """run's `stall_timeout`, checked: seconds > 0, or None (off)."""
     if stall_timeout is None:
@@ -116,6 +138,7 @@ def where(dump: str) -> str:
     train_fn), naming the innermost frame of the user's code and the call it is in; plus
     any other thread that waits in the user's code (a loader thread in a dataset)."""
     threads = _threads(dump)
+    # The thread through launcher._replica_main, which calls train_fn.
     mine = next((t for t in threads if any(f[2] == "_replica_main" for f in t)), None)
     if mine is None:
         return "is not running train_fn"
