@@ -3,8 +3,8 @@ from .amp import GradScaler, autocast
 from .augment import aug_transforms
 from .checkpoint import load_state, save, save_state
 from .data import make_loader
-from .devices import (get_device, is_master, master_print, optimizer_step, rank, scale_lr_bs,
-                      sync, to_cpu, world_size)
+from .devices import (average_gradients, get_device, is_master, master_print, optimizer_step,
+                      rank, scale_lr_bs, sync, to_cpu, world_size)
 from .environment import doctor, setup_tpu
 from .cache import CachedDataset, cache_dataset, open_cache
 from .images import (ImageCsvDataset, ImageFolderDataset, PresizeReport, denormalize, normalize,
@@ -16,7 +16,7 @@ from .reporting import report
 from .stall import Stalled
 
 __all__ = ["setup_tpu", "get_device", "optimizer_step", "make_loader", "scale_lr_bs", "run",
-           "train_one_cycle", "lr_find", "predict", "save", "accuracy", "master_print",
+           "average_gradients", "train_one_cycle", "lr_find", "predict", "save", "accuracy", "master_print",
            "is_master", "rank", "world_size", "sync", "report", "doctor", "presize_images",
            "PresizeReport", "ImageCsvDataset", "ImageFolderDataset", "cache_dataset",
            "open_cache", "CachedDataset", "show_batch", "normalize", "denormalize",

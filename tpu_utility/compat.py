@@ -63,10 +63,21 @@ def cut_before_next_batch() -> None:
     step was just marked (torch_xla 2.8 and 2.9: parallel_loader.PerDeviceLoader.next).
     A cut already made since the last batch is not made again (the loader's rule).
     """
+    import torch_xla.debug.profiler as xp
+    if not xp.get_tracer_marked_step():
+        end_step()
+
+
+def end_step() -> None:
+    """Cut the graph now, and have MpDeviceLoader skip the cut it makes before its next batch.
+
+    `tu.sync()` at the end of a step: the step runs now, the feed adds no cut of its own
+    (each cut moves the device's random seed on), so a loop with it runs the same graphs
+    on the same random stream as without. Pending work after this and before the next
+    batch joins that batch's step.
+    """
     import torch_xla
     import torch_xla.debug.profiler as xp
-    if xp.get_tracer_marked_step():
-        return
     torch_xla.sync()
     xp.set_tracer_marked_step(True)
 

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 from ._tree import map_tensors
 from .checks import check_int
 from .engines import current, in_run
+
+if TYPE_CHECKING:
+    import torch
 
 
 def get_device():
@@ -28,25 +31,63 @@ def get_device():
     return current().device()
 
 
-def optimizer_step(opt, **step_kwargs):
-    """The swap for `opt.step()`: averages gradients over replicas first when needed.
+def optimizer_step(opt, closure: Optional[Callable] = None, **step_kwargs: Any) -> Any:
+    """The swap for `opt.step()` (and `opt.step(closure)`): averages gradients over
+    replicas first when needed.
 
     With one replica per core (a TPU v5e-8's 8 processes, or the "distributed" engine)
     the gradients are averaged over replicas, and before an optimizer's first step
     every replica takes the master's parameters, so replicas that drew different initial
-    weights still train one model. Under SPMD the gradients are already global, and on
-    one device it is a plain `opt.step()`. It adds no host sync.
+    weights still train one model; then each replica's random streams move apart (the
+    master's stay as they were), so noise and dropout differ between replicas. A
+    `closure` (LBFGS) has each of its calls' gradients and loss averaged over replicas,
+    so every replica's optimizer decides alike. Under SPMD the gradients are already
+    global, and on one device it is a plain `opt.step()`. It adds no host sync.
 
     Example:
         >>> import torch, tpu_utility as tu
         >>> w = torch.nn.Parameter(torch.ones(2)); opt = torch.optim.SGD([w], lr=0.1)
         >>> w.sum().backward(); _ = tu.optimizer_step(opt)
+        >>> lbfgs = torch.optim.LBFGS([w], max_iter=2)
+        >>> def closure():
+        ...     lbfgs.zero_grad(); loss = (w ** 2).sum(); loss.backward(); return loss
+        >>> loss = tu.optimizer_step(lbfgs, closure)  # the first call's loss, as opt.step's
+        >>> round(float(loss.detach()), 2)
+        1.62
     """
-    return current().optimizer_step(opt, **step_kwargs)
+    return current().optimizer_step(opt, closure, **step_kwargs)
+
+
+def average_gradients(params: Iterable["torch.Tensor"]) -> None:
+    """What `optimizer_step` does to gradients, for an update written by hand: call it
+    between `loss.backward()` and `p.data.add_(p.grad, alpha=-lr)`.
+
+    Averages `.grad` of `params` (`model.parameters()`, or a list of tensors) over
+    replicas, as `optimizer_step` does for an optimizer's parameters. The first time a
+    tensor comes by, every replica takes the master's value of it, and then the
+    replicas' random streams move apart, as before an optimizer's first step. With one
+    replica (one device, or SPMD, whose gradients are already global) it does nothing.
+
+    Example:
+        >>> import torch, tpu_utility as tu
+        >>> w = torch.nn.Parameter(torch.ones(2, device=tu.get_device()))
+        >>> (3 * w).sum().backward()
+        >>> tu.average_gradients([w])
+        >>> with torch.no_grad():
+        ...     _ = w.add_(w.grad, alpha=-0.1)
+        >>> [round(v, 4) for v in tu.to_cpu(w).tolist()]
+        [0.7, 0.7]
+    """
+    current().average_gradients(params)
 
 
 def sync() -> None:
-    """Run everything pending: cuts the XLA graph (`torch_xla.sync()`); a no-op off XLA.
+    """The end of a step: run everything pending now (XLA cuts its graph); a no-op off XLA.
+
+    On XLA the `make_loader` loader then skips the cut it would make before its next
+    batch, so a `tu.sync()` at the end of every step costs nothing extra and the run
+    draws the same random numbers as without it (each cut moves the device's seed on).
+    Work queued after it and before the next batch joins that batch's step.
 
     Example:
         >>> import tpu_utility as tu

@@ -1,12 +1,14 @@
 """Random state: one home for the Python, numpy, torch CPU and device generators.
 
 The loader seeds the host generators per batch (`seeded`), and a checkpoint captures and
-restores all four (`capture`, `restore`). Both take `LOCK`, so a checkpoint never reads
+restores all four (`capture`, `restore`). All take `LOCK`, so a checkpoint never reads
 or sets the generators while a batch loads with them seeded for it in another thread.
+Replicas start from one state and move apart once their weights agree (`offset_by_rank`).
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import random
 import sys
 import threading
@@ -57,14 +59,18 @@ def capture() -> Dict[str, Any]:
             kind, keys, pos, has_gauss, gauss = np.random.get_state()
             numpy_state = (kind, keys.tolist(), pos, has_gauss, gauss)
         python, cpu = random.getstate(), torch.get_rng_state()
-    return {"python": python, "numpy": numpy_state, "torch": cpu, "device": current().rng_state()}
+    engine = current()
+    return {"python": python, "numpy": numpy_state, "torch": cpu, "device": engine.rng_state(),
+            "offset": engine.rng_offset_applied}
 
 
 def restore(saved: Dict[str, Any]) -> None:
     """Put back what `capture` returned (here or in an earlier process).
 
     It was captured just after a step cut that the feed then skipped: skip the feed's
-    next cut here too, or the first step would run one seed further on."""
+    next cut here too, or the first step would run one seed further on. Whether this
+    replica's streams were already moved apart comes back too, so a resumed run neither
+    moves them again nor skips it (checkpoints from before it was saved: not yet)."""
     import torch
     with LOCK:
         random.setstate(_tuples(saved["python"]))
@@ -76,6 +82,51 @@ def restore(saved: Dict[str, Any]) -> None:
     engine = current()
     engine.cut_step()
     engine.set_rng_state(saved["device"])
+    # A checkpoint from before replicas drew apart (no "offset") continues as it was saved
+    engine.rng_offset_applied = bool(saved.get("offset", True))
+
+
+def offset_by_rank(rank: int, engine: Any = None, host: bool = True) -> None:
+    """Reseed this replica's generators, each from its own state and `rank`: the device's
+    (through `engine`, the current one by default) and, with `host`, torch's CPU one,
+    Python's and numpy's (if numpy is imported).
+
+    Replicas that share every state draw alike (a GAN's noise, dropout); after this,
+    replica `rank` draws its own. The seeds come from a hash of the state bytes, not
+    Python's `hash()` (salted per process), so a seeded run draws the same again. Rank 0
+    is left alone by the engines, so the master draws what the original script draws.
+    """
+    import torch
+    engine = current() if engine is None else engine
+    if host:
+        np = sys.modules.get("numpy")
+        with LOCK:
+            random.seed(_seed(repr(random.getstate()).encode(), rank))
+            cpu = torch.default_generator
+            cpu.manual_seed(_seed(_bytes(cpu.get_state()), rank))
+            if np is not None:
+                kind, keys, pos, has_gauss, gauss = np.random.get_state()
+                np.random.seed(_seed(keys.tobytes() + repr((kind, pos, has_gauss, gauss)).encode(),
+                                     rank) % 2 ** 32)
+    state = engine.rng_state()
+    if state is not None:
+        seed = _seed(_bytes(state), rank)
+        if isinstance(state, int):  # XLA's generator state is its seed
+            engine.set_rng_state(seed)
+        else:  # CUDA's is a state tensor: that of a generator given the seed
+            g = torch.Generator(device=engine.device())
+            g.manual_seed(seed)
+            engine.set_rng_state(g.get_state())
+
+
+def _seed(state: bytes, rank: int) -> int:
+    """A 63-bit seed from a generator's state and a rank, the same in every process."""
+    digest = hashlib.sha256(state + b"/rank %d" % rank).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _bytes(state: Any) -> bytes:
+    return str(state).encode() if isinstance(state, int) else state.cpu().numpy().tobytes()
 
 
 def _tuples(o):

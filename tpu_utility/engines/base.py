@@ -20,7 +20,7 @@ class Engine:
     own slice of the data; `rank` is this copy's index, 0 being the master. Single-replica
     engines inherit the identity collectives below; multi-replica engines supply the
     primitives (`_all_reduce_sum`, `_all_gather`, `_broadcast`, `_barrier`,
-    `_average_gradients`), and everything built on them is shared.
+    `_average_gradients(grads)`, in place), and everything built on them is shared.
     """
 
     name: str = ""
@@ -30,6 +30,8 @@ class Engine:
     rank: int = 0
     local_replicas: int = 1  # replicas on this host, which share its CPU cores
     heartbeat: Any = None  # set by run in each replica: stall.Beat, or None (no stall watch)
+    rng_offset_applied: bool = False  # this replica's random streams moved apart (`offset_rng`)
+    owns_host_rng: bool = True  # False: a replica thread whose CPU generators another owns
 
     # -- the launching side: classmethods, run in the caller; none starts a runtime ----------
 
@@ -149,10 +151,22 @@ class Engine:
 
     # Built on the collectives, the same for every engine.
 
-    def optimizer_step(self, opt, **step_kwargs) -> Any:
-        """`opt.step()` with the gradients averaged over replicas (`sync_gradients`)."""
-        self.sync_gradients(opt)
-        out = opt.step(**step_kwargs)
+    def optimizer_step(self, opt, closure: Optional[Callable] = None, **step_kwargs) -> Any:
+        """`opt.step()` with the gradients averaged over replicas (`sync_gradients`).
+
+        With a `closure` (LBFGS calls it several times a step) each call's gradients are
+        averaged, and its loss too: LBFGS branches on `float(loss)`, and replicas that
+        branched apart would call the closure, and so the collectives, a different number
+        of times, and wait on each other for ever.
+        """
+        if closure is None:
+            self.sync_gradients(opt)
+            out = opt.step(**step_kwargs)
+        else:
+            if self.replicas > 1:
+                self._first_step(opt)
+                closure = self._averaging(opt, closure)
+            out = opt.step(self._cut_after(closure), **step_kwargs)
         self.beat()
         return out
 
@@ -164,20 +178,83 @@ class Engine:
         RNG, a seed per rank) train one model from then on.
         """
         if self.replicas > 1:
-            opts, tensors = self._synced()
-            if opt not in opts:
-                params = [p for g in opt.param_groups for p in g["params"]]
-                self.broadcast([p for p in params if tensors.get(id(p)) is not p])
-                tensors.update((id(p), p) for p in params)
-                opts.add(opt)
-            self._average_gradients(opt)
+            self._first_step(opt)
+            self._average_grads_of(_params(opt))
+
+    def average_gradients(self, params: Iterable["torch.Tensor"]) -> None:
+        """`.grad` of `params` averaged over replicas, for an update written by hand; the
+        first time a tensor comes by, every replica takes the master's value of it."""
+        if self.replicas > 1:
+            params = list(params)
+            self._make_identical(params)
+            self._average_grads_of(params)
 
     def sync_module(self, model) -> None:
-        """Make `model`'s parameters and buffers the master's, on every replica."""
+        """Make `model`'s parameters and buffers the master's, on every replica (and then
+        move the replicas' random streams apart, `offset_rng`)."""
         if self.replicas > 1:
             tensors = list(model.parameters()) + list(model.buffers())
             self.broadcast(tensors)
             self._synced()[1].update((id(t), t) for t in tensors)
+            self.offset_rng()
+
+    def offset_rng(self) -> None:
+        """Move this replica's random streams apart from the other replicas', once.
+
+        Replicas start from one random state (forked, or seeded alike), so each would draw
+        the same noise and dropout masks: a batch of 128 noise samples over 8 replicas
+        would hold 16 distinct ones. Once the weights agree (the first broadcast), each
+        replica of rank r > 0 reseeds from its states and r (`rng.offset_by_rank`); the
+        master keeps its streams, so it draws what a one-device run draws.
+        """
+        if self.replicas > 1 and not self.rng_offset_applied:
+            self.rng_offset_applied = True
+            if self.rank > 0:
+                from .. import rng
+                rng.offset_by_rank(self.rank, self, host=self.owns_host_rng)
+
+    def _first_step(self, opt) -> None:
+        """Before `opt`'s first step: its parameters made the master's on every replica."""
+        opts = self._synced()[0]
+        if opt not in opts:
+            self._make_identical(_params(opt))
+            opts.add(opt)
+
+    def _make_identical(self, params) -> None:
+        """The master's values broadcast into those of `params` not yet made identical."""
+        tensors = self._synced()[1]
+        self.broadcast([p for p in params if tensors.get(id(p)) is not p])
+        tensors.update((id(p), p) for p in params)
+        self.offset_rng()
+
+    def _average_grads_of(self, params) -> None:
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            self._average_gradients(grads)
+
+    def _cut_after(self, closure: Callable) -> Callable:
+        """`closure` followed by the step's cut: LBFGS evaluates it several times a step and
+        reads each loss; uncut, each read runs a graph that holds every evaluation so far."""
+        def cut():
+            loss = closure()
+            self.sync()
+            return loss
+        return cut
+
+    def _averaging(self, opt, closure: Callable) -> Callable:
+        """`closure` whose gradients and loss come out averaged over replicas."""
+        import torch
+
+        def averaged():
+            loss = closure()
+            self._average_grads_of(_params(opt))
+            if loss is None:
+                return None
+            value = (loss.detach() if torch.is_tensor(loss)
+                     else torch.tensor(float(loss), device=self.device()))
+            (total,) = self._all_reduce_sum([value])
+            return total / self.replicas if torch.is_tensor(loss) else float(total) / self.replicas
+        return averaged
 
     def _synced(self):
         """(optimizers, {id: tensor}) already made identical on every replica. Weak, so a
@@ -190,6 +267,10 @@ class Engine:
 
     def __repr__(self) -> str:
         return f"<engine {self.name!r}: rank {self.rank} of {self.replicas}, world size {self.world_size}>"
+
+
+def _params(opt) -> list:
+    return [p for g in opt.param_groups for p in g["params"]]
 
 
 class _ToDevice:

@@ -142,9 +142,8 @@ class Distributed(Engine):
         import torch.distributed as dist
         dist.barrier()
 
-    def _average_gradients(self, opt) -> None:
+    def _average_gradients(self, grads) -> None:
         import torch.distributed as dist
-        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
         pending = []
         for bucket in _buckets(grads):  # every bucket in flight at once
             flat = _concat(bucket)

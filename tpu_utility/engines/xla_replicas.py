@@ -47,10 +47,13 @@ class XlaReplicas(XlaSingle):
         run_thread_per_device(local_rank, nprocs, lambda: body(cls()))
 
     def __init__(self):
+        import torch_xla
         import torch_xla.runtime as xr
         self.world_size = self.replicas = xr.world_size()
         self.rank = xr.global_ordinal()
         self.local_replicas = xr.local_device_count()
+        # Threads of one process (v2/v3) share its CPU generators: its first moves them.
+        self.owns_host_rng = torch_xla.device().index == 0
 
     def _all_reduce_sum(self, tensors):
         import torch_xla.core.xla_model as xm
@@ -68,6 +71,7 @@ class XlaReplicas(XlaSingle):
         import torch_xla.core.xla_model as xm
         xm.rendezvous("tpu_utility.barrier")
 
-    def _average_gradients(self, opt) -> None:
+    def _average_gradients(self, grads) -> None:
         import torch_xla.core.xla_model as xm
-        xm.reduce_gradients(opt)
+        # What xm.reduce_gradients does with several replicas, for any list of gradients.
+        xm.all_reduce(xm.REDUCE_SUM, grads, scale=1.0 / self.replicas)

@@ -96,8 +96,8 @@ class XlaSingle(Engine):
         xm.add_step_closure(fn, tensors)  # runs at the next graph cut, once the step has run
 
     def sync(self) -> None:
-        import torch_xla
-        torch_xla.sync()
+        from ..compat import end_step
+        end_step()
 
     def rng_state(self):
         import torch_xla.core.xla_model as xm
@@ -115,9 +115,12 @@ class XlaSingle(Engine):
 
     def zeros(self, shape):
         import torch
+        import torch_xla.core.xla_model as xm
         # torch.zeros(device=xla) would be a graph constant, and the first step that
-        # updates it a graph of its own.
-        return torch.zeros(shape).to(self.device())
+        # updates it a graph of its own; so would `.to(device)` of a 0-dim zero (0.0 is a
+        # special scalar), joining the next step's graph where no cut comes before it
+        # (after tu.sync()). Uploaded as the loader uploads batches, it is data at once.
+        return xm.send_cpu_data_to_device([torch.zeros(shape)], self.device())[0]
 
 
 class _ClosingFeed:
