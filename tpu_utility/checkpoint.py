@@ -20,6 +20,7 @@ import warnings
 from typing import Any, Dict, List, Optional
 
 from . import rng
+from ._tree import flatten, unflatten
 from .devices import is_master, to_cpu
 from .engines import current
 from .files import atomic_write, check_writable
@@ -27,11 +28,23 @@ from .files import atomic_write, check_writable
 FORMAT = "tpu_utility.checkpoint/1"
 
 
-def save(obj: Any, path: str) -> Optional[str]:
-    """`torch.save` for TPU runs: master replica only, tensors moved to CPU, written atomically.
+def save(obj: Any, f: Any) -> Any:
+    """`torch.save` for TPU runs: master replica only, tensors moved to CPU, a path written
+    atomically.
 
-    The file appears complete or not at all (temporary name, then rename), so a crash
-    mid-write never leaves a half checkpoint. It loads with a plain `torch.load`.
+    Takes what `torch.save` takes: `obj` a state dict, an optimizer's state dict, any
+    nesting of dicts, lists and tuples, or a whole `nn.Module` (in a container or not);
+    `f` a path (str or os.PathLike) or a binary file open for writing. Every tensor is
+    written as a CPU tensor, read from the device in one batched transfer, so the file
+    loads with a plain `torch.load` where torch_xla is not installed (a whole module with
+    `weights_only=False`). A module is written as a CPU copy (parameters still
+    Parameters, with their requires_grad); the module itself stays on its device.
+
+    A path gets the file complete or not at all (temporary name, then rename), so a crash
+    mid-write never leaves a half checkpoint. A file object cannot be written that way:
+    the master writes into it as it is. Under several replicas call it on every replica
+    (as the code around it runs): with a file object the master waits for all of them
+    first, since each opened the file before. Returns `f` on the master, None elsewhere.
 
     Example:
         >>> import os, tempfile, torch, tpu_utility as tu
@@ -39,25 +52,100 @@ def save(obj: Any, path: str) -> Optional[str]:
         >>> _ = tu.save({"w": torch.ones(2)}, path)
         >>> torch.load(path)["w"].tolist()
         [1.0, 1.0]
+        >>> model = torch.nn.Linear(2, 1).to(tu.get_device())
+        >>> with open(os.path.join(tempfile.mkdtemp(), "whole.pt"), "wb") as f:
+        ...     _ = tu.save(model, f)
+        >>> copy = torch.load(f.name, weights_only=False)  # the module stays on the device
+        >>> copy.weight.device.type, model.weight.device == tu.get_device()
+        ('cpu', True)
     """
     import torch
-    obj = to_cpu(obj)
+    if isinstance(f, (str, bytes, os.PathLike)):
+        path = os.fsdecode(os.fspath(f))
+    elif callable(getattr(f, "write", None)):
+        path = None
+    else:
+        raise TypeError(f"tu.save(obj, f): f must be a path (str or os.PathLike) or a binary file "
+                        f"open for writing, as for torch.save; got {type(f).__name__}")
+    copy = on_cpu(obj)  # every replica: a transfer is a graph cut, which replicas make together
+    if path is None:
+        # Every replica opened `f` before this call, and open(..., "wb") truncates: without
+        # the wait, a replica that opens it late would cut the master's output to nothing.
+        current().barrier()
     if not is_master():
         return None
+    name = path if path is not None else getattr(f, "name", repr(f))
     try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        # Written through a Python file: a full disk then raises ENOSPC, where torch's own
-        # writer says only "unexpected pos".
-        atomic_write(path, lambda f: torch.save(obj, f))
+        if path is None:
+            torch.save(copy(), f)
+            if callable(getattr(f, "flush", None)):
+                f.flush()
+        else:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            # Written through a Python file: a full disk then raises ENOSPC, where torch's
+            # own writer says only "unexpected pos".
+            cpu_obj = copy()
+            atomic_write(path, lambda out: torch.save(cpu_obj, out))
     except (OSError, RuntimeError) as e:
         cause = e  # torch's writer may mask the OSError with its own error on the way out
         while cause is not None and not isinstance(cause, OSError):
             cause = cause.__context__
         if cause is None:
             raise
-        raise OSError(cause.errno, f"could not write {path}: {cause.strerror or cause}"
+        raise OSError(cause.errno, f"could not write {name}: {cause.strerror or cause}"
                       + (" (the disk is full)" if cause.errno == errno.ENOSPC else "")) from e
-    return path
+    return f
+
+
+def on_cpu(obj: Any):
+    """Every tensor of `obj`, its modules' included, read to the CPU in one batched
+    transfer; returns a function that builds `obj` from those copies (modules as CPU
+    copies, which only the master needs)."""
+    import copy as copying
+    import torch
+    structure, leaves = flatten(obj)
+    modules = [x for x in leaves if isinstance(x, torch.nn.Module)]
+    # A module all on the CPU is written as it is; the others are copied.
+    moved = [m for m in modules if any(t.device.type != "cpu" for t in _module_tensors(m))]
+    tensors = {id(t): t for t in leaves if isinstance(t, torch.Tensor)}
+    for m in moved:
+        tensors.update((id(t), t) for t in _module_tensors(m))
+    cpu = dict(zip(tensors, to_cpu(list(tensors.values()))))
+    memo = {}
+    for key, t in tensors.items():
+        if isinstance(t, torch.nn.Parameter):
+            memo[key] = torch.nn.Parameter(cpu[key], requires_grad=t.requires_grad)
+        else:
+            memo[key] = cpu[key]
+
+    def build():
+        out = []
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                x = memo[id(x)]
+            elif any(x is m for m in moved):
+                # deepcopy takes the CPU copies already in the memo for the module's tensors
+                # (shared ones stay shared) and copies the rest of it as it is.
+                x = copying.deepcopy(x, dict(memo))
+            out.append(x)
+        return unflatten(structure, out)
+    return build
+
+
+def _module_tensors(module) -> list:
+    """`module`'s parameters, buffers and other tensor attributes, each once."""
+    import torch
+    found = {}
+    for m in module.modules():
+        for t in list(m._parameters.values()) + list(m._buffers.values()):
+            if t is not None:
+                found[id(t)] = t
+        for key, value in vars(m).items():
+            if key not in ("_parameters", "_buffers", "_modules"):
+                for t in flatten(value)[1]:
+                    if isinstance(t, torch.Tensor):
+                        found[id(t)] = t
+    return list(found.values())
 
 
 def save_or_warn(obj, path: str, argument: str) -> bool:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Tuple
 from .checks import check_int
 from .engines import current
 from .input_wait import InputWait, Meter, source_of
-from .rng import seeded
+from .rng import LOCK, seeded
 
 if TYPE_CHECKING:
     from .augment import Augment
@@ -36,6 +36,9 @@ class DeviceLoader:
     prefetching, or on where a resumed epoch starts. Datasets that draw no random numbers
     (see `draws_no_randomness`) load without seeding. `state_dict()` / `load_state_dict()` carry the epoch and the batches of
     it already consumed (what `save_state` and `train_one_cycle(checkpoint=)` keep).
+    Each new epoch (not one resumed mid-way) draws from torch's global generator, or from
+    `generator=`, what a torch DataLoader would, and nothing else: the script's other
+    draws stay those of its CUDA original.
 
     With `augment`, each training batch travels with one int32 key per sample (a hash of
     the seed, the epoch and the sample's place) and is augmented on the device as the
@@ -45,7 +48,9 @@ class DeviceLoader:
 
     def __init__(self, dataset, batch_size: int, shuffle: bool, drop_last: bool,
                  num_workers: Optional[int], seed: int, loader_kwargs: dict, pad: bool = False,
-                 skip_errors: bool = False, augment=None, train: bool = True):
+                 skip_errors: bool = False, augment=None, train: bool = True,
+                 worker_options: Optional[dict] = None, pin_memory: bool = False,
+                 draws: Optional["_Draws"] = None):
         self.dataset = dataset
         self.per_core_batch_size = batch_size
         self.shuffle, self.drop_last, self.seed, self.pad = shuffle, drop_last, seed, pad
@@ -53,6 +58,9 @@ class DeviceLoader:
         self.augment, self.train = augment, train
         self.num_workers = num_workers
         self.loader_kwargs = loader_kwargs
+        self.worker_options = worker_options or {}  # DataLoader options that need workers
+        self.pin_memory = pin_memory
+        self.draws = draws
         self._init_replicas()
 
     def _init_replicas(self) -> None:
@@ -152,16 +160,27 @@ class DeviceLoader:
         workers = self.num_workers
         if workers is None:
             workers = default_workers(engine.local_replicas, rows_only)
-        # No persistent workers: a valid loader's workers, forked while the train loader's
-        # stay alive, inherit its iterator and fail on it at exit.
+        # No persistent workers (persistent_workers=True is taken and not kept): a valid
+        # loader's workers, forked while the train loader's stay alive, inherit its
+        # iterator and fail on it at exit.
         kwargs = {**engine.loader_options(workers), **self.loader_kwargs}
+        if workers > 0:  # DataLoader refuses these without workers; make_loader may pick none
+            options = dict(self.worker_options)
+            if "multiprocessing_context" in options and "multiprocessing_context" in kwargs and \
+                    _forks(options["multiprocessing_context"]):
+                # the engine's own fork (XLA's keeps the GC frozen around it)
+                del options["multiprocessing_context"]
+            kwargs.update(options)
+        if self.pin_memory and _pins():  # elsewhere DataLoader pins nothing, and warns every epoch
+            kwargs["pin_memory"] = True
         if self.skip_errors or self._keyed:
             kwargs["collate_fn"] = _Collate(kwargs.get("collate_fn"))
         if workers > 0:
             kwargs["worker_init_fn"] = _WorkerInit(kwargs.get("worker_init_fn"))
         # Its own generator: starting an epoch draws a seed, and that must not come from
-        # the global RNG, whose state a checkpoint restores mid-epoch.
-        kwargs.setdefault("generator", torch.Generator().manual_seed(self.seed))
+        # the global RNG, whose state a checkpoint restores mid-epoch (what a DataLoader
+        # draws from it, or from the caller's generator=, `_Draws` draws in __iter__).
+        kwargs["generator"] = torch.Generator().manual_seed(self.seed)
         loader = DataLoader(dataset, batch_size=per_step, sampler=sampler,
                             drop_last=self.drop_last, num_workers=workers, **kwargs)
         if len(loader) == 0:
@@ -179,7 +198,13 @@ class DeviceLoader:
 
     def __iter__(self) -> Iterator:
         state = self._replica()
-        state.loader.sampler.set_epoch(state.epoch)
+        sampler = state.loader.sampler
+        # An epoch resumed mid-way drew at its start, before the checkpoint took the
+        # generators' states: drawing again would put the run one epoch start ahead.
+        resumed = sampler.resume[0] == state.epoch and sampler.resume[2] > 0
+        if self.draws is not None and not resumed:
+            self.draws.start(state.epoch)
+        sampler.set_epoch(state.epoch)
         state.epoch += 1
         state.position = None
         if state.feed is None:
@@ -225,6 +250,8 @@ class DeviceLoader:
                 f"the input pipeline stopped after {n} of {expected} batches of epoch {epoch} "
                 f"without an error from the dataset: the thread that loads batches died (see "
                 f"the traceback printed above)")
+        if self.draws is not None:
+            self.draws.end()
         if guard.skipped:
             first = guard.skipped[0]
             warnings.warn(
@@ -486,12 +513,16 @@ def default_workers(replicas_per_host: int = 1, rows_only: bool = False) -> int:
     return n if n >= 2 else 0
 
 
-def make_loader(data, batch_size: Optional[int] = None, *, train: bool = True,
-                shuffle: Optional[bool] = None, drop_last: Optional[bool] = None,
-                num_workers: Optional[int] = None, seed: int = 0,
-                collate_fn: Optional[Callable] = None, pad: bool = False,
-                skip_errors: bool = False, augment: Optional["Augment"] = None,
-                **loader_kwargs: Any) -> DeviceLoader:
+def make_loader(data=None, batch_size: Optional[int] = None, shuffle: Optional[bool] = None,
+                sampler=None, batch_sampler=None, num_workers: Optional[int] = None,
+                collate_fn: Optional[Callable] = None, pin_memory: bool = False,
+                drop_last: Optional[bool] = None, timeout: float = 0,
+                worker_init_fn: Optional[Callable] = None, multiprocessing_context=None,
+                generator=None, *, prefetch_factor: Optional[int] = None,
+                persistent_workers: bool = False, pin_memory_device: str = "",
+                in_order: bool = True, dataset=None, train: bool = True, seed: int = 0,
+                pad: bool = False, skip_errors: bool = False,
+                augment: Optional["Augment"] = None, **loader_kwargs: Any) -> DeviceLoader:
     """The swap for `DataLoader(dataset, batch_size, shuffle=True)`.
 
     `batch_size` is per core, as in every TPU tutorial. `train=True` means shuffle and
@@ -499,9 +530,26 @@ def make_loader(data, batch_size: Optional[int] = None, *, train: bool = True,
     `train=False` for evaluation. With one replica per device each replica reads its
     own slice (a DistributedSampler); under SPMD each step reads one global batch of
     `batch_size * cores` and shards it over the devices. Batches arrive on the device.
-    An existing DataLoader is converted, keeping its dataset, batch size and collate_fn.
-    `pad=True` (evaluation) repeats samples so that every batch on every replica is full,
-    and yields `(batch, valid)` with `valid` a bool tensor that is False on the repeats.
+    An existing DataLoader is converted, keeping its dataset, batch size, collate_fn and
+    sampler. `pad=True` (evaluation) repeats samples so that every batch on every replica
+    is full, and yields `(batch, valid)` with `valid` a bool tensor that is False on the
+    repeats.
+
+    It takes DataLoader's arguments, in DataLoader's order (`dataset=` names the data
+    too). The order of each epoch comes from `seed` (every replica draws the same
+    permutation), so `sampler=` may only say which samples and whether shuffled:
+    `SubsetRandomSampler(indices)` reads those samples shuffled (a k-fold split),
+    `RandomSampler(ds)` shuffles, `SequentialSampler(ds)` reads in order; a sampler
+    decides the order whatever `train` says, and `train` still decides `drop_last`
+    (`train=False` keeps the short last batch, as DataLoader does). Other samplers and
+    `batch_sampler` raise ValueError. Each epoch draws from torch's global generator
+    (or from `generator=`) what DataLoader would, so the rest of the script draws what it
+    drew under CUDA (the next fold's initial weights); draws a dataset makes while it
+    loads are not mirrored: make_loader seeds those itself. The worker options
+    (`prefetch_factor`, `timeout`, `multiprocessing_context`, `worker_init_fn`) apply
+    when the loader has workers and are dropped when it has none; workers start anew each
+    epoch even with `persistent_workers=True`; `pin_memory` pins only where torch has an
+    accelerator to pin for (not under XLA); batches always come in order (`in_order`).
 
     A sample whose loading raises stops the epoch with that exception (its dataset index
     noted). `skip_errors=True` replaces it with the next sample that loads instead, so
@@ -526,23 +574,56 @@ def make_loader(data, batch_size: Optional[int] = None, *, train: bool = True,
         >>> loader = tu.make_loader(ds, batch_size=16, num_workers=0)
         >>> len(loader)
         4
+        >>> fold = torch.utils.data.SubsetRandomSampler(range(48))  # 48 samples, shuffled
+        >>> len(tu.make_loader(dataset=ds, batch_size=16, sampler=fold, num_workers=0))
+        3
     """
     import torch
-    from torch.utils.data import DataLoader, RandomSampler
+    from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
 
+    if (data is None) == (dataset is None):
+        raise TypeError("make_loader takes the data once, as `data` (the first argument) or as "
+                        "`dataset=`: pass one of the two" if data is not None else
+                        "make_loader needs the data: pass it as `data` (the first argument) or as "
+                        "`dataset=`")
+    data = dataset if data is None else data
+    mirrored = None  # the DataLoader whose draws each epoch mirrors, when given one
     if isinstance(data, DataLoader):
+        mirrored = data
         batch_size = batch_size or data.batch_size
         collate_fn = collate_fn or data.collate_fn
         num_workers = data.num_workers if num_workers is None else num_workers
-        if shuffle is None and not train:
-            shuffle = isinstance(data.sampler, RandomSampler)
+        if data.batch_sampler is not None and type(data.batch_sampler) is not BatchSampler:
+            batch_sampler = data.batch_sampler
+        own = data.sampler
+        if sampler is None and not isinstance(own, (RandomSampler, SequentialSampler)):
+            sampler = own  # a SubsetRandomSampler is taken; any other is refused below
+        elif shuffle is None and not train and sampler is None:
+            shuffle = isinstance(own, RandomSampler)
+        generator = data.generator if generator is None else generator
+        persistent_workers = persistent_workers or data.persistent_workers
         data = data.dataset
+    if batch_sampler is not None:
+        raise ValueError("make_loader(batch_sampler=...) cannot be used: make_loader batches the "
+                         "data and shards it over replicas with a sampler of its own, so pass "
+                         "batch_size= (per core) instead, and for an order of your own the "
+                         "dataset in that order (torch.utils.data.Subset(dataset, indices)) with "
+                         "shuffle=False")
+    if sampler is not None and shuffle:
+        raise ValueError("make_loader(sampler=..., shuffle=True): the sampler decides the order "
+                         "(DataLoader refuses the two together too), so drop shuffle=True")
     check_int(batch_size, "batch_size", why=" (per core)")
     if isinstance(data, torch.utils.data.IterableDataset):
         raise TypeError("make_loader needs a map-style Dataset (with __len__ and __getitem__) "
                         "so it can shard it over replicas; convert the IterableDataset to a list "
                         "or a TensorDataset first")
+    read = data
+    if sampler is not None:
+        read, shuffle = _sampled(data, sampler)
     shuffle = train if shuffle is None else shuffle
+    draws = _dataloader_draws(sampler, shuffle, generator, persistent_workers, len(data)) \
+        if mirrored is None else \
+        _dataloader_draws(mirrored.sampler, False, generator, persistent_workers, len(data))
     drop_last = train if drop_last is None else drop_last
     if pad and drop_last:
         raise ValueError("pad=True keeps every sample: use it with train=False or drop_last=False")
@@ -553,7 +634,129 @@ def make_loader(data, batch_size: Optional[int] = None, *, train: bool = True,
                             f"{type(augment).__name__}")
     if collate_fn is not None:
         loader_kwargs["collate_fn"] = collate_fn
-    out = DeviceLoader(data, batch_size, shuffle, drop_last, num_workers, seed, loader_kwargs,
-                       pad, skip_errors, augment, train)
+    worker_options = {k: v for k, v in (
+        ("worker_init_fn", worker_init_fn), ("timeout", timeout),
+        ("prefetch_factor", prefetch_factor), ("multiprocessing_context", multiprocessing_context),
+    ) if v is not None and not (k == "timeout" and v == 0)}
+    out = DeviceLoader(read, batch_size, shuffle, drop_last, num_workers, seed, loader_kwargs,
+                       pad, skip_errors, augment, train, worker_options=worker_options,
+                       pin_memory=bool(pin_memory), draws=draws)
     len(out)  # too few samples for one batch: say so now, not at the first epoch
     return out
+
+
+def _sampled(data, sampler) -> Tuple[Any, bool]:
+    """(what make_loader reads, whether it shuffles it) for DataLoader's `sampler=`: the
+    samplers that only choose samples and say whether shuffled, since the order itself
+    comes from make_loader's own sampler."""
+    from torch.utils.data import (DistributedSampler, RandomSampler, SequentialSampler, Subset,
+                                  SubsetRandomSampler)
+    kind = type(sampler)
+    n = len(data)
+    if isinstance(sampler, SubsetRandomSampler) and kind.__iter__ is SubsetRandomSampler.__iter__:
+        indices = sampler.indices
+        indices = indices.tolist() if hasattr(indices, "tolist") else [int(i) for i in indices]
+        bad = [i for i in indices if not 0 <= i < n][:1]
+        if bad:
+            raise ValueError(f"make_loader(sampler=SubsetRandomSampler(indices)): index {bad[0]} "
+                             f"is not one of the dataset's {n} samples; pass indices in range({n})")
+        return Subset(data, indices), True
+    for known, shuffles in ((RandomSampler, True), (SequentialSampler, False)):
+        if not (isinstance(sampler, known) and kind.__iter__ is known.__iter__):
+            continue
+        if not shuffles or (not sampler.replacement
+                            and sampler.num_samples == len(sampler.data_source)):
+            if len(sampler.data_source) != n:
+                raise ValueError(f"make_loader(sampler={known.__name__}(...)) covers "
+                                 f"{len(sampler.data_source)} samples but the dataset has {n}: "
+                                 f"build the sampler over the same dataset")
+            return data, shuffles
+    if isinstance(sampler, DistributedSampler):
+        raise ValueError("make_loader(sampler=DistributedSampler(...)) cannot be used: "
+                         "make_loader shards the data over replicas with a sampler of its own, so "
+                         "drop sampler= (each replica already reads its share; train= or shuffle= "
+                         "sets the order)")
+    name = kind.__name__
+    if isinstance(sampler, RandomSampler):
+        name += " with replacement or num_samples"
+    raise ValueError(f"make_loader(sampler=...) cannot take a {name}: make_loader shards the "
+                     f"data over replicas with a sampler of its own, so it takes only "
+                     f"SubsetRandomSampler, RandomSampler (a permutation) or SequentialSampler; "
+                     f"pass one of those, or the dataset in the order you want "
+                     f"(torch.utils.data.Subset(dataset, indices)) with shuffle=False")
+
+
+def _forks(context) -> bool:
+    """Whether DataLoader's `multiprocessing_context` asks for fork (the default there)."""
+    if context is None or isinstance(context, str):
+        return context in (None, "fork")
+    return getattr(context, "get_start_method", lambda: None)() == "fork"
+
+
+def _pins() -> bool:
+    """Whether DataLoader's pin_memory=True pins (it does where torch has an accelerator:
+    cuda, TorchTPU's tpu; not under XLA)."""
+    import torch
+    accelerator = getattr(torch, "accelerator", None)
+    return accelerator is not None and accelerator.is_available()
+
+
+class _Draws:
+    """What a torch DataLoader draws from random generators at each epoch, drawn alike, so
+    that a script's other draws from torch's global generator (the next fold's initial
+    weights) are those it made with the DataLoader; make_loader's own order comes from
+    `seed`, not from these draws.
+
+    The DataLoader (torch 2.8 and 2.9) draws, as an epoch starts: its workers' base seed
+    (`_BaseDataLoaderIter.__init__`; only at the first epoch with persistent workers, whose
+    iterator lives on), from its `generator` or the global one; then its sampler's
+    (`RandomSampler.__iter__`: one seed from the global generator, or a permutation from
+    its own generator; `SubsetRandomSampler`: a permutation). A RandomSampler with a
+    generator of its own draws a second permutation as it runs out, at the epoch's end.
+    Each draw is (generator or None for the global one, n for a permutation of n, None
+    for a seed)."""
+
+    def __init__(self, base, base_once: bool, first: list, last: list):
+        self.base, self.base_once, self.first, self.last = base, base_once, first, last
+
+    def start(self, epoch: int) -> None:
+        with LOCK:  # not while a batch loads in another thread with the generators seeded for it
+            if epoch == 0 or not self.base_once:
+                _draw(self.base, None)
+            for generator, n in self.first:
+                _draw(generator, n)
+
+    def end(self) -> None:
+        with LOCK:
+            for generator, n in self.last:
+                _draw(generator, n)
+
+
+def _draw(generator, n: Optional[int]) -> None:
+    import torch
+    if n is None:
+        torch.empty((), dtype=torch.int64).random_(generator=generator)
+    else:
+        torch.randperm(n, generator=generator)
+
+
+def _dataloader_draws(sampler, shuffle: bool, generator, persistent_workers: bool,
+                      n: int) -> _Draws:
+    """The draws of `DataLoader(data of n samples, shuffle=, sampler=, generator=,
+    persistent_workers=)` at each epoch."""
+    from torch.utils.data import RandomSampler, SubsetRandomSampler
+    first: list = []
+    last: list = []
+    permuted = None  # (generator, n) of a RandomSampler
+    if sampler is None and shuffle:  # DataLoader's own RandomSampler(dataset, generator=generator)
+        permuted = (generator, n)
+    elif isinstance(sampler, RandomSampler):
+        permuted = (sampler.generator, len(sampler.data_source))
+    elif isinstance(sampler, SubsetRandomSampler):
+        first.append((sampler.generator, len(sampler.indices)))
+    if permuted is not None and permuted[0] is None:
+        first.append((None, None))  # a seed for a generator of its own
+    elif permuted is not None:
+        first.append(permuted)
+        last.append(permuted)
+    return _Draws(generator, persistent_workers, first, last)

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 from . import engines
 from .children import die_with_parent
 from .compat import runtime_started
-from .devices import to_cpu
+from .checkpoint import on_cpu
 from .environment import in_notebook, setup_tpu, xla_version
 from .files import atomic_write
 from .preemption import Preempted, StopBoard, on_sigterm, sharing
@@ -74,7 +74,8 @@ def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), 
     train_fn runs in child processes (`fork` in notebooks, `spawn` in scripts, so guard
     scripts with `if __name__ == "__main__":`), so this process never holds the XLA
     runtime: a `cores=1` run, then a `cores=8` run, work in one notebook kernel. What
-    train_fn returns on the master replica comes back with its tensors on CPU. An error
+    train_fn returns on the master replica comes back with its tensors on CPU (a model as a
+    CPU copy). An error
     in any replica is re-raised here with that replica's traceback and every replica is
     stopped; `timeout` (seconds) bounds the whole run. When no replica gets a batch or
     finishes an optimizer step for `stall_timeout` seconds (30 minutes; None: never), the
@@ -106,7 +107,7 @@ def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), 
     nprocs, expected = cls.processes(info, cores)
     if nprocs == 0:
         with engines.activate(cls.in_caller(info, cores)):
-            return to_cpu(train_fn(*args))
+            return on_cpu(train_fn(*args))()
     forks = "fork" in cls.start_methods
     start_method = start_method or ("fork" if in_notebook() and forks else "spawn")
     if start_method == "spawn":
@@ -354,7 +355,7 @@ def _replica_main(train_fn, args, results, outbox, board, beat, engine) -> None:
     engine.heartbeat = beat
     try:
         with sharing(board), engines.activate(engine):
-            out = to_cpu(train_fn(*args))
+            out = on_cpu(train_fn(*args))()  # a returned model comes back as a CPU copy
             path = None
             if engine.rank == 0:  # before the others leave: a result that cannot travel says so
                 path = os.path.join(outbox, "result.pt")
