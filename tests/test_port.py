@@ -87,7 +87,8 @@ def test_port_of_an_amp_loop_swaps_what_is_safe_and_lists_the_rest(tmp_path):
     proc = port(src, tmp_path)
     assert proc.returncode == 0, proc.stderr
     ported = (tmp_path / "baseline_tpu.py").read_text()
-    for line in ('device = tu.get_device()',
+    for line in ('def train_fn():\n    global device\n    device = tu.get_device()\n\n    print(run_training())\n',
+                 'if __name__ == "__main__":\n    tu.run(train_fn, cores=8)\n',
                  'with tu.autocast():',
                  'scaler = tu.GradScaler()',
                  'train_loader = tu.make_loader(TensorDataset(x, y), batch_size=bs, num_workers=0)',
@@ -95,7 +96,6 @@ def test_port_of_an_amp_loop_swaps_what_is_safe_and_lists_the_rest(tmp_path):
                  'model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4)).to(tu.get_device())',
                  'tu.save(model.state_dict(), f"model_{epoch}.pt")',
                  'preds[i * bs:(i + 1) * bs] = model(x.to(tu.get_device())).float().cpu().numpy()',
-                 'print(tu.run(run_training, cores=8))',
                  'import tpu_utility as tu'):
         assert line in ported, line
     assert "scaler.step(optimizer)" in ported  # the AMP swap keeps the loop as it was
@@ -103,13 +103,15 @@ def test_port_of_an_amp_loop_swaps_what_is_safe_and_lists_the_rest(tmp_path):
     # a statement with no meaning on a TPU goes with its line
     assert "torch.cuda.empty_cache()" not in ported and "pass" not in ported
     assert '        tu.save(model.state_dict(), f"model_{epoch}.pt")\n    return {' in ported
+    # the device chosen at the top level (it would start XLA in the caller) and the call of
+    # the training function now run inside train_fn, on every core
     todo = proc.stdout.split("could not do safely:", 1)[1]
-    assert "line 6: the device is chosen at the top level" in todo
+    assert "top level" not in todo and "scaler" not in todo
     assert "line 20: `loss.item()` reads the device every step" in todo
     assert "line 30: results indexed by batch size" in todo and "tu.gather" in todo
     # The ported script runs on XLA (one core here: its valid() still indexes by batch size).
-    run = run_process([sys.executable, "-c", ported.replace("cores=8", "cores=1")], cwd=tmp_path,
-                      timeout=300)
+    run = run_process([sys.executable, "-c", ported.replace("cores=8", "cores=1, start_method='fork'")],
+                      cwd=tmp_path, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "'preds': (256, 4)" in run.stdout
     assert sorted(p.name for p in tmp_path.glob("model_*.pt")) == ["model_0.pt", "model_1.pt"]
@@ -158,7 +160,11 @@ def test_port_of_a_top_level_notebook_works_cell_by_cell(tmp_path):
                         "    all_preds.append(train_model(m, x, y))")
     assert "line 4: cell 6: `.cuda()` at the top level" in proc.stdout
     assert "line 8: cell 5: `model(x[i * bs:(i + 1) * bs]).detach().cpu()` collects evaluation results" in proc.stdout
-    assert "9 things port could not do safely" in proc.stdout
+    # batches sliced from tensors: no make_loader cuts the step, so tu.sync() does
+    assert "        tu.optimizer_step(opt)\n        tu.sync()\n" in cells[4]
+    assert "    tu.optimizer_step(opt)\n    tu.sync()\n    print(loss.item())" in cells[3]
+    assert proc.stdout.count("reads no DataLoader") == 2
+    assert "11 things port could not do safely" in proc.stdout
     assert json.loads(src.read_text()) == notebook
 
 

@@ -13,11 +13,13 @@ import difflib
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-from .source_facts import (GRAD_SCALERS, HOST_READS, LOOPS, ModuleFacts, calls, dotted,
-                           mask_magics, method, module_facts)
+from .port_wrap import _is_main_guard, wrap_top_level
+from .source_facts import (GRAD_SCALERS, HOST_READS, LOOPS, OPTIMIZER, ModuleFacts, calls,
+                           dotted, mask_magics, method, module_facts)
 
 _DEVICE = "tu.get_device()"
 _NO_TPU_MEANING = {"empty_cache", "reset_peak_memory_stats", "reset_max_memory_allocated",
@@ -25,6 +27,10 @@ _NO_TPU_MEANING = {"empty_cache", "reset_peak_memory_stats", "reset_max_memory_a
 _LOADERS = ("DataLoader", "torch.utils.data.DataLoader", "data.DataLoader")
 _AUTOCASTS = ("torch.cuda.amp.autocast", "autocast", "amp.autocast")
 _DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+# DataLoader's parameters that may be passed by position, in order (torch 2.8 and 2.9)
+_LOADER_ARGS = ("dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "num_workers",
+                "collate_fn", "pin_memory", "drop_last", "timeout", "worker_init_fn",
+                "multiprocessing_context", "generator")
 
 
 @dataclass
@@ -45,11 +51,13 @@ class PortResult:
 
 
 def port_source(source: str, optimizers: Optional[set] = None,
-                train_fns: Optional[set] = None) -> PortResult:
+                train_fns: Optional[set] = None, *, script: bool = False) -> PortResult:
     """The swaps for one piece of Python source (a script, or a notebook cell).
 
     `optimizers`, the names bound to optimizers so far, and `train_fns`, the functions
-    that train, carry over between a notebook's cells (and are updated).
+    that train, carry over between a notebook's cells (and are updated). In a `script`,
+    training at the top level is moved into a function that `tu.run` runs (port_wrap.py);
+    a notebook's cells are left where they are, with a note.
 
     Example:
         >>> print(port_source("opt = torch.optim.SGD(m.parameters(), lr=0.1)\\nopt.step()\\n").text)
@@ -57,15 +65,60 @@ def port_source(source: str, optimizers: Optional[set] = None,
         tu.optimizer_step(opt)
         <BLANKLINE>
     """
-    tree = ast.parse(mask_magics(source))
+    tree = _parse(source)
     facts = module_facts(tree)
     optimizers = optimizers if optimizers is not None else set()
     optimizers.update(facts.optimizers)
+    train_fns = train_fns if train_fns is not None else set()
+    wrapped = None
+    if script:
+        known = _training_functions(facts.functions, train_fns)
+        wrapped = wrap_top_level(source, tree, lambda stmt, in_guard: _trains(stmt, in_guard, facts, known))
+        if wrapped is not None:
+            source = wrapped.text
+            tree = ast.parse(source)
+            facts = module_facts(tree)
     finder = _Finder(source.splitlines(keepends=True), facts, optimizers)
     finder.visit(tree)
-    finder.notes.check_structure(tree, train_fns if train_fns is not None else set())
-    return PortResult(_apply(source, finder.edits.edits), sorted(finder.edits.swaps),
-                      sorted(finder.notes.todo))
+    _Steps(finder.edits, finder.notes, facts, optimizers).port()
+    finder.notes.check_structure(tree, train_fns)
+    result = PortResult(_apply(source, finder.edits.edits), sorted(finder.edits.swaps),
+                        sorted(finder.notes.todo))
+    if wrapped is not None:  # report the original's lines
+        result.swaps = sorted([(wrapped.line(n), what) for n, what in result.swaps] + [
+            (wrapped.start, f"training at the top level -> def {wrapped.name}(), run on every "
+                            f"core by tu.run({wrapped.name}, cores=8)")])
+        result.todo = sorted([(wrapped.line(n), what) for n, what in result.todo] + wrapped.notes)
+    return result
+
+
+def _parse(source: str) -> ast.Module:
+    """What Python parses is parsed as it is; a notebook cell's IPython lines are masked."""
+    try:
+        return ast.parse(source)
+    except SyntaxError:
+        return ast.parse(mask_magics(source))
+
+
+def _trains(stmt, in_guard: bool, facts: ModuleFacts, train_fns: set) -> bool:
+    """Whether a top-level statement trains or touches the device: what must run inside
+    tu.run. Under the `__main__` guard a lone call of a training function is not: that call
+    becomes tu.run(that_function) itself."""
+    for n in ast.walk(stmt):
+        if isinstance(n, ast.Call):
+            name = dotted(n.func)
+            if _moves_to_cuda(n) or method(n) == "backward" or OPTIMIZER.search(name) or \
+                    name == "torch.accelerator.current_accelerator" or name == "torch.device" \
+                    and n.args and (_is_cuda_string(n.args[0]) or isinstance(n.args[0], ast.IfExp)):
+                return True
+            if isinstance(n.func, ast.Name) and n.func.id in train_fns and \
+                    (not in_guard or facts.inside_loop(n)):
+                return True
+        elif isinstance(n, ast.IfExp) and _is_cuda_check(n.test) and _is_cuda_string(n.body) or \
+                isinstance(n, ast.Assign) and _is_cuda_string(n.value) or \
+                isinstance(n, ast.If) and _device_choice(n):
+            return True
+    return False
 
 
 def port(path: str, *, write: bool = True) -> PortResult:
@@ -91,7 +144,7 @@ def port(path: str, *, write: bool = True) -> PortResult:
     if ext == ".ipynb":
         result = _port_notebook(original)
     else:
-        result = port_source(original)
+        result = port_source(original, script=True)
         result.text = _add_import(result.text)
     if write:
         result.output = f"{base}_tpu{ext}"
@@ -100,11 +153,27 @@ def port(path: str, *, write: bool = True) -> PortResult:
     return result
 
 
+HELP = """\
+usage: python -m tpu_utility port SCRIPT.py|NOTEBOOK.ipynb ...
+
+Writes SCRIPT_tpu.py (or NOTEBOOK_tpu.ipynb) next to each file, which it never edits,
+prints the diff, and lists by line what it could not do safely, with the fix.
+
+It swaps: the device for tu.get_device(); DataLoader(...) for tu.make_loader(...);
+opt.step() for tu.optimizer_step(opt); autocast and GradScaler for tu's; torch.save for
+tu.save; torch.cuda.synchronize() for tu.sync(). A manual update of p.data from p.grad
+gets tu.average_gradients(...) before it, and a step no make_loader feeds ends with
+tu.sync(). A script's training at the top level becomes a function, train_fn, run on
+every core by tu.run(train_fn, cores=8).
+
+Run the ported file with python as before. docs/porting.md has the details."""
+
+
 def main(argv: List[str]) -> int:
     """The command: port each file, print the diff and the list; 0, or 2 on bad use."""
-    if not argv:
-        print("usage: python -m tpu_utility port SCRIPT.py|NOTEBOOK.ipynb ...")
-        return 2
+    if not argv or argv[0] in ("-h", "--help"):
+        print(HELP if argv else HELP.split("\n\n")[0], file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
     for path in argv:
         if not os.path.isfile(path) or os.path.splitext(path)[1] not in (".py", ".ipynb"):
             print(f"port: {path} is not a .py or .ipynb file")
@@ -253,10 +322,21 @@ class _Finder(ast.NodeVisitor):
         return self.edits.remove(stmt, what, alone=id(stmt) in self.facts.alone)
 
     def visit_If(self, node):
+        if _cpu_fallback(node):  # if not torch.cuda.is_available(): DEVICE = "cpu"
+            self._remove(node, "the fallback to the CPU without a GPU -> removed (the device "
+                               "is tu.get_device())")
+            return
         # if use_cuda: device = torch.device("cuda") / else: device = torch.device("cpu")
         name = _device_choice(node)
         if name:
             self._device(node, "if/else device choice -> tu.get_device()", f"{name} = {_DEVICE}")
+            return
+        self.generic_visit(node)
+
+    def visit_Assign(self, node):
+        # DEVICE = "cuda": the name is then the device everywhere it is used
+        if _is_cuda_string(node.value) and all(isinstance(t, ast.Name) for t in node.targets):
+            self._device(node.value, '"cuda" -> tu.get_device()')
             return
         self.generic_visit(node)
 
@@ -319,9 +399,21 @@ class _Finder(ast.NodeVisitor):
 
     def _optimizer_step(self, node, name, attr):
         opt = node.func.value.id if isinstance(node.func.value, ast.Name) else None
-        if opt in self.optimizers and not node.args and not node.keywords:
-            self.edits.replace(node, f"tu.optimizer_step({opt})",
-                               f"{opt}.step() -> tu.optimizer_step({opt})")
+        closure = node.args + [k.value for k in node.keywords if k.arg == "closure"]
+        if opt in self.optimizers and len(node.args) + len(node.keywords) == len(closure) <= 1:
+            # LBFGS: step(closure) calls the closure, which runs backward(), as often as it needs
+            args = "".join(f", {self.edits.source(c)}" for c in closure)
+            self.edits.replace(node, f"tu.optimizer_step({opt}{args})",
+                               f"{opt}.step() -> tu.optimizer_step({opt}{args})")
+        elif opt is not None and opt not in self.optimizers and not _scheduler(opt, self.facts) \
+                and not any(isinstance(a, ast.Name) and a.id in self.optimizers for a in node.args) \
+                and self.facts.inside_loop(node, self.facts.backward_loops):
+            # (scaler.step(optimizer) steps an optimizer port knows)
+            self.notes.add(node.lineno, f"`{self.edits.source(node)}` after backward(): port "
+                           f"does not know {opt} as an optimizer; if it is one, make it "
+                           f"tu.optimizer_step({opt}), which averages the gradients over "
+                           f"replicas; if it updates the weights itself, call "
+                           f"tu.average_gradients(params) before it")
 
     def _data_loader(self, node, name, attr):
         self.loaders.port(node, self.scopes[-1] if self.scopes else self.facts.tree)
@@ -371,19 +463,33 @@ class _Loaders:
         self.facts = facts
 
     def port(self, node, scope) -> None:
-        keywords = {k.arg: k for k in node.keywords}
-        if "sampler" in keywords or "batch_sampler" in keywords:
-            self.notes.add(node.lineno, "DataLoader with its own sampler: make_loader shards "
-                           "with a DistributedSampler; port it by hand (tu.make_loader(dataset, "
-                           "batch_size, ...))")
-        elif None in keywords:  # DataLoader(ds, **kwargs): whether it shuffles is not written here
+        if any(isinstance(a, ast.Starred) for a in node.args) or len(node.args) > len(_LOADER_ARGS):
+            self.notes.add(node.lineno, "DataLoader(*args): port cannot see which argument is "
+                           "which; swap it by hand for tu.make_loader(dataset, batch_size, ...)")
+            return
+        # {DataLoader's parameter: the node that passes it}, positional or keyword
+        given = dict(zip(_LOADER_ARGS, node.args))
+        given.update((k.arg, k) for k in node.keywords if k.arg is not None)
+        value = {name: a.value if isinstance(a, ast.keyword) else a for name, a in given.items()}
+        for name in ("sampler", "batch_sampler"):  # None: DataLoader's default
+            if name in value and _is_constant(value[name], None):
+                del given[name], value[name]
+        if "batch_sampler" in given or "sampler" in given and \
+                _sampler_kind(value["sampler"], scope) is None:
+            self.notes.add(node.lineno, "DataLoader with its own sampler: make_loader shards the "
+                           "data over replicas with its own; it takes a SubsetRandomSampler, "
+                           "RandomSampler or SequentialSampler, any other stays a DataLoader: "
+                           "port it by hand (tu.make_loader(dataset, batch_size, ...))")
+        elif "sampler" in given:  # a sampler decides the order: shuffled, or in order
+            self._make_loader(node, [], train_false=_sampler_kind(value["sampler"], scope) == "eval")
+        elif any(k.arg is None for k in node.keywords):  # DataLoader(ds, **kwargs)
             self._hidden_options(node, scope)
-        elif "shuffle" in keywords and not isinstance(keywords["shuffle"].value, ast.Constant):
-            shuffle = self.edits.source(keywords["shuffle"].value)
+        elif "shuffle" in given and not isinstance(value["shuffle"], ast.Constant):
+            shuffle = self.edits.source(value["shuffle"])
             self.notes.add(node.lineno, f"DataLoader(shuffle={shuffle}): pass train=True for "
                            f"training, train=False for evaluation")
         else:
-            self._written_options(node, keywords)
+            self._written_options(node, given, value)
 
     def _hidden_options(self, node, scope) -> None:
         name = self.facts.assigned_to.get(id(node))
@@ -396,25 +502,213 @@ class _Loaders:
                        "training; it wrote train=False (in order, nothing dropped: right "
                        "for evaluation); make the training loader's train=True")
 
-    def _written_options(self, node, keywords) -> None:
-        shuffle = keywords.get("shuffle")
-        shuffles = shuffle is not None and shuffle.value.value
-        drop = keywords.get("drop_last")
-        if shuffles and drop is not None and _is_constant(drop.value, False):
+    def _written_options(self, node, given, value) -> None:
+        shuffles = "shuffle" in value and value["shuffle"].value
+        drop = value.get("drop_last")
+        if shuffles and drop is not None and _is_constant(drop, False):
             self.notes.add(node.lineno, "drop_last=False on a training loader: its short last "
                            "batch makes XLA compile the step again; drop it to get make_loader's "
                            "drop_last=True (less than one batch of each epoch left out)")
         # make_loader's train=True already shuffles and drops the short batch
-        dropped = [k for k in node.keywords if k.arg == "shuffle" or (
-            k.arg == "drop_last" and shuffles and _is_constant(k.value, True))]
+        dropped = [given[name] for name in ("shuffle", "drop_last") if name in given and (
+            name == "shuffle" or shuffles and _is_constant(value[name], True))]
         self._make_loader(node, dropped, train_false=not shuffles)
 
     def _make_loader(self, node, dropped, train_false: bool) -> None:
         if self.edits.taken(node):
             return
         self.edits.rewrite_call(node, "tu.make_loader", dropped, "train=False" if train_false else "")
+        # make_loader's third parameter on is keyword-only: DataLoader(ds, 32, False, ...)
+        for name, arg in zip(_LOADER_ARGS[2:], node.args[2:]):
+            if arg not in dropped:
+                self.edits.edits.append((*_span(arg), f"{name}={self.edits.source(arg)}"))
         self.edits.swaps.append((node.lineno, "DataLoader -> tu.make_loader" + (
             " (train=False)" if train_false else "")))
+
+
+def _scheduler(name: str, facts: ModuleFacts) -> bool:
+    """Whether `name.step()` steps a learning-rate schedule: the name says so, or it is
+    assigned from a call whose name does (lr_scheduler.*, get_linear_schedule_with_warmup)."""
+    made = [dotted(n.value.func) for n in ast.walk(facts.tree) if isinstance(n, ast.Assign)
+            and isinstance(n.value, ast.Call) and any(isinstance(t, ast.Name) and t.id == name
+                                                      for t in n.targets)]
+    return any(re.search("sched", text, re.I) for text in [name] + made)
+
+
+def _sampler_kind(node, scope) -> Optional[str]:
+    """"train" or "eval" for a sampler make_loader takes (SubsetRandomSampler and
+    RandomSampler shuffle, SequentialSampler reads in order), written in the call or
+    assigned to a name in `scope`; None for any other."""
+    if isinstance(node, ast.Name):
+        made = [n.value for n in ast.walk(scope) if isinstance(n, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == node.id for t in n.targets)]
+        node = made[-1] if len(made) == 1 else None
+    if not isinstance(node, ast.Call):
+        return None
+    kind = dotted(node.func).split(".")[-1]
+    if kind == "RandomSampler" and (len(node.args) > 1 or node.keywords):
+        return None  # with replacement or num_samples: not a permutation
+    return {"SubsetRandomSampler": "train", "RandomSampler": "train",
+            "SequentialSampler": "eval"}.get(kind)
+
+
+class _Steps:
+    """The ends of the training steps: a manual update (`p.data.add_(p.grad, alpha=-lr)`)
+    gets its gradients averaged over replicas first, as tu.optimizer_step would, and a
+    step that no make_loader feeds gets the graph cut that its feed would have made
+    (tu.sync()): without it XLA's graph grows by one step each step."""
+
+    def __init__(self, edits: _Edits, notes: "_Notes", facts: ModuleFacts, optimizers: set):
+        self.edits, self.notes, self.facts, self.optimizers = edits, notes, facts, optimizers
+
+    def port(self) -> None:
+        updates = []  # statements that update the weights, in source order
+        for block in _blocks(self.facts.tree):
+            manual = [(stmt, params) for stmt in block for params in [_updated(stmt)]
+                      if params and not self._in_update(stmt)]
+            if manual:
+                first, _ = manual[0]
+                params = manual[0][1] if isinstance(first, ast.For) else \
+                    f"[{', '.join(dict.fromkeys(p for _, p in manual))}]"
+                at = block.index(first)
+                while at and calls(block[at - 1], "clip_grad_norm_") or at and \
+                        calls(block[at - 1], "clip_grad_value_"):
+                    at -= 1  # clipping needs the averaged gradients too, as DDP gives it
+                if self._insert(block[at], f"tu.average_gradients({params})", before=True):
+                    self.edits.swaps.append((block[at].lineno, "manual update -> gradients "
+                                             "averaged over replicas first (tu.average_gradients)"))
+                updates += [stmt for stmt, _ in manual]
+            updates += [stmt for stmt in block if isinstance(stmt, ast.Expr) and self._steps(stmt.value)]
+        ends = {}  # step loop -> the statement of its body after which the step ends
+        for stmt in sorted(updates, key=lambda n: (n.lineno, n.col_offset)):
+            loops = self.facts.loops_around(stmt)
+            if loops:
+                ends[loops[0]] = _in_body(stmt, loops[0], self.facts)
+        for loop, last in ends.items():
+            if not _fed_by_loader(loop, self.facts) and self._insert(last, "tu.sync()", before=False):
+                self.edits.swaps.append((last.end_lineno, "the step's end -> tu.sync() (no "
+                                         "make_loader cuts this loop's graph)"))
+                self.notes.add(loop.lineno, "this training loop reads no DataLoader: with "
+                               "cores=8 every core computes the same batches (right, but no "
+                               "faster); make a Dataset of them and read it with tu.make_loader "
+                               "to split them over the cores")
+
+    def _in_update(self, stmt) -> bool:
+        """Whether `stmt` is part of a `for p in params:` manual update (one update, not two)."""
+        return any(isinstance(parent, ast.For) and _updated(parent)
+                   for parent, _ in self.facts.ancestors(stmt))
+
+    def _steps(self, call) -> bool:
+        """An optimizer's step, or one that port could not name (a closure optimizer's)."""
+        return isinstance(call, ast.Call) and method(call) == "step" and \
+            isinstance(call.func.value, ast.Name) and call.func.value.id in self.optimizers
+
+    def _insert(self, stmt, code: str, before: bool) -> bool:
+        """`code` on a line of its own before or after `stmt`, at its indentation; False
+        where `stmt` shares its line with other code (`with torch.no_grad(): w -= ...`)."""
+        lines = self.edits.lines
+        indent = lines[stmt.lineno - 1].encode()[:stmt.col_offset].decode()
+        after = lines[stmt.end_lineno - 1].encode()[stmt.end_col_offset:].decode()
+        if indent.strip() or after.split("#")[0].strip():
+            self.notes.add(stmt.lineno, f"add `{code}` on a line of its own "
+                           f"{'before' if before else 'after'} this statement")
+            return False
+        if before:
+            self.edits.edits.append((stmt.lineno, 0, stmt.lineno, 0, f"{indent}{code}\n"))
+        elif stmt.end_lineno < len(lines):
+            self.edits.edits.append((stmt.end_lineno + 1, 0, stmt.end_lineno + 1, 0, f"{indent}{code}\n"))
+        else:
+            end = len(lines[-1].encode())
+            self.edits.edits.append((stmt.end_lineno, end, stmt.end_lineno, end,
+                                     ("" if lines[-1].endswith("\n") else "\n") + f"{indent}{code}\n"))
+        return True
+
+
+def _blocks(tree):
+    """Every statement list of `tree`: bodies, else branches, finally blocks, handlers'."""
+    for node in ast.walk(tree):
+        for name in ("body", "orelse", "finalbody"):
+            block = getattr(node, name, None)
+            if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
+                yield block
+
+
+def _root(node) -> Tuple[str, List[str]]:
+    """('p', ['data']) for `p.data`: the name an attribute chain starts from, and its attributes."""
+    attrs = []
+    while isinstance(node, ast.Attribute):
+        attrs.append(node.attr)
+        node = node.value
+    return (node.id if isinstance(node, ast.Name) else ""), attrs[::-1]
+
+
+def _updated(stmt) -> str:
+    """The parameters a manual update statement steps (source of the iterable of
+    `for p in model.parameters(): p.data.add_(p.grad, alpha=-lr)`, or the tensor's name
+    of `w -= lr * w.grad`), or '' for any other statement."""
+    if isinstance(stmt, ast.For) and isinstance(stmt.target, ast.Name):
+        p = stmt.target.id
+        body = [n for s in stmt.body for n in ast.walk(s)]
+        return ast.unparse(stmt.iter) if _reads_grad(body, p) and any(_updates(n, p) for n in body) else ""
+    if isinstance(stmt, ast.With):  # with torch.no_grad(): for p in ...
+        return ""
+    nodes = list(ast.walk(stmt))
+    for n in nodes[:1] + [getattr(stmt, "value", None)]:
+        name = _root(n.target)[0] if isinstance(n, ast.AugAssign) else \
+            _root(n.func.value)[0] if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) else ""
+        if name and _updates(n, name) and _reads_grad(nodes, name):
+            return name
+    return ""
+
+
+def _reads_grad(nodes, name: str) -> bool:
+    return any(isinstance(n, ast.Attribute) and n.attr == "grad" and _root(n)[0] == name for n in nodes)
+
+
+def _updates(node, name: str) -> bool:
+    """Whether `node` changes tensor `name` (or its .data) in place, not its gradient."""
+    if isinstance(node, ast.AugAssign):
+        root, attrs = _root(node.target)
+        return root == name and "grad" not in attrs
+    if isinstance(node, ast.Assign):
+        return any(_root(t) == (name, ["data"]) for t in node.targets)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+            node.func.attr.endswith("_") and not node.func.attr.startswith("_"):
+        root, attrs = _root(node.func.value)
+        return root == name and "grad" not in attrs
+    return False
+
+
+def _in_body(node, loop, facts: ModuleFacts):
+    """The statement of `loop`'s body that holds `node`."""
+    for parent, _ in facts.ancestors(node):
+        if parent is loop:
+            return node
+        node = parent
+    return node
+
+
+_WRAPPERS = ("enumerate", "tqdm", "iter", "zip", "progress_bar", "master_bar", "trange")
+
+
+def _fed_by_loader(loop, facts: ModuleFacts) -> bool:
+    """Whether a loop iterates what is (or may be) a DataLoader, whose make_loader swap
+    cuts the graph each step: a name bound to one, a function's parameter, an attribute;
+    not a range, a tensor's split, a list, or a `while`."""
+    it = getattr(loop, "iter", None)
+    while isinstance(it, ast.Call) and dotted(it.func).split(".")[-1] in _WRAPPERS and it.args:
+        it = it.args[0]
+    if isinstance(it, ast.Attribute):
+        return True
+    if not isinstance(it, ast.Name):
+        return False
+    made = [n.value for n in ast.walk(facts.tree) if isinstance(n, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == it.id for t in n.targets)]
+    if not made:  # a parameter, a global from elsewhere: may well be a loader
+        return True
+    return any(isinstance(v, ast.Call) and dotted(v.func) in _LOADERS + ("tu.make_loader",
+                                                                        "make_loader")
+               for v in made)
 
 
 class _Notes:
@@ -535,6 +829,24 @@ class _Notes:
                          "tu.gather(outputs, loader), or tu.predict")
 
 
+def _cpu_fallback(node) -> bool:
+    """`if not torch.cuda.is_available(): device = "cpu"`: with no GPU, a name set to the
+    CPU (False on every TPU host, so the run would train on the CPU)."""
+    test = node.test
+    negated = isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) and (
+        _is_cuda_check(test.operand) or isinstance(test.operand, ast.Call)
+        and dotted(test.operand.func) == "torch.accelerator.is_available")
+    return negated and not node.orelse and all(
+        isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name)
+        and _is_cpu(s.value) for s in node.body)
+
+
+def _is_cpu(node) -> bool:
+    if isinstance(node, ast.Call) and dotted(node.func) == "torch.device" and len(node.args) == 1:
+        node = node.args[0]
+    return isinstance(node, ast.Constant) and node.value == "cpu"
+
+
 def _device_choice(node) -> str:
     """The name an if/elif/else chain sets to a device in every branch, one of them a GPU
     (`if use_cuda: device = torch.device("cuda") else: device = torch.device("cpu")`);
@@ -610,11 +922,6 @@ def _globals_set_here(block, functions: dict) -> List[str]:
         read |= {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)
                  and isinstance(n.ctx, ast.Load) and n.id not in local}
     return sorted(assigned & read)
-
-
-def _is_main_guard(stmt) -> bool:
-    return isinstance(stmt, ast.If) and isinstance(stmt.test, ast.Compare) and \
-        "__name__" in ast.dump(stmt.test) and "'__main__'" in ast.dump(stmt.test)
 
 
 def _span(node) -> Tuple[int, int, int, int]:
