@@ -1,11 +1,14 @@
 """Data: the swap for `DataLoader(...)` that shards, reshuffles and feeds the device."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Tuple
+from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Mapping, Optional, Tuple
 
 from .checks import check_int
 from .engines import current
@@ -14,6 +17,91 @@ from .rng import LOCK, seeded
 
 if TYPE_CHECKING:
     from .augment import Augment
+
+
+@dataclass(frozen=True)
+class LoaderSpec:
+    """Every option of a `make_loader` loader, bound and checked once: what a
+    `DeviceLoader` builds each replica's pipeline from (`loader.spec`).
+
+    `padded()` is the same loader for evaluation, every other option kept: `train_one_cycle`'s
+    `valid_loader` and `predict` read through it. `replace(**changes)` is
+    `dataclasses.replace`. The two mappings are the loader's own and are never changed
+    once built (they stay dicts, not read-only proxies: a spec is pickled into every
+    spawned replica, and a mappingproxy does not pickle).
+
+    Example:
+        >>> import torch, tpu_utility as tu
+        >>> ds = torch.utils.data.TensorDataset(torch.randn(40, 3), torch.randn(40))
+        >>> spec = tu.make_loader(ds, 8, num_workers=0, skip_errors=True, seed=3).spec
+        >>> spec.train, spec.shuffle, spec.drop_last, spec.pad
+        (True, True, True, False)
+        >>> twin = spec.padded(batch_size=4)
+        >>> twin.train, twin.shuffle, twin.drop_last, twin.pad, twin.batch_size
+        (False, False, False, True, 4)
+        >>> twin.skip_errors, twin.seed
+        (True, 3)
+
+    Args:
+        dataset: the samples read (a `sampler=`'s subset already taken).
+        batch_size: samples per step and core.
+        train: whether the loader trains (with `augment`, each batch gets its random keys).
+        shuffle: whether each epoch reads a new permutation (drawn from `seed` and the epoch).
+        drop_last: whether a short last batch is dropped.
+        pad: whether samples are repeated until every batch on every replica is full
+            (batches are then `(batch, valid)`); excludes `drop_last`.
+        seed: the seed of the order and of the generators each batch loads under.
+        skip_errors: whether a sample that fails to load is replaced by the next that loads.
+        num_workers: DataLoader workers per replica; None picks (`default_workers`).
+        worker_options: the DataLoader options that apply only with workers
+            (`worker_init_fn`, `timeout`, `prefetch_factor`, `multiprocessing_context`).
+        loader_kwargs: other DataLoader options (`collate_fn`, ...).
+        pin_memory: whether batches are pinned, where torch has an accelerator to pin for.
+        draws: what each epoch draws from torch's generators, as a DataLoader would.
+        augment: what `tu.aug_transforms(...)` returned, or None.
+    """
+
+    dataset: Any
+    batch_size: int
+    train: bool
+    shuffle: bool
+    drop_last: bool
+    pad: bool = False
+    seed: int = 0
+    skip_errors: bool = False
+    num_workers: Optional[int] = None
+    worker_options: Mapping[str, Any] = field(default_factory=dict)
+    loader_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    pin_memory: bool = False
+    draws: Optional["_Draws"] = None
+    augment: Optional["Augment"] = None
+
+    def __post_init__(self) -> None:
+        # Here rather than in make_loader alone: padded() and replace() make specs too.
+        check_int(self.batch_size, "batch_size", why=" (per core)")
+        if self.pad and self.drop_last:
+            raise ValueError("pad=True keeps every sample: use it with train=False or "
+                             "drop_last=False")
+        if self.augment is not None:
+            from .augment import Augment
+            if not isinstance(self.augment, Augment):
+                raise TypeError(f"augment must be what tu.aug_transforms(...) returns, got "
+                                f"{type(self.augment).__name__}")
+
+    def padded(self, batch_size: Optional[int] = None) -> "LoaderSpec":
+        """Evaluation's twin: in order, every sample kept, every batch full (`pad=True`);
+        every other option kept. `batch_size` (per core) replaces the batch size."""
+        changes = {} if batch_size is None else {"batch_size": batch_size}
+        return self.replace(train=False, shuffle=False, drop_last=False, pad=True, **changes)
+
+    def replace(self, **changes: Any) -> "LoaderSpec":
+        """This spec with `changes` (field names as keywords), checked again."""
+        return dataclasses.replace(self, **changes)
+
+
+def _from_spec(name: str) -> property:
+    """A DeviceLoader attribute read from its spec (read-only: replicas build from the spec)."""
+    return property(attrgetter(f"spec.{name}"), doc=f"The loader's `spec.{name}`.")
 
 
 class DeviceLoader:
@@ -44,24 +132,55 @@ class DeviceLoader:
     the seed, the epoch and the sample's place) and is augmented on the device as the
     loop receives it; the loader's place is then the augmentation's whole random state.
     Every epoch is timed: `input_wait` is how long the loop waited for its batches.
+
+    Its options are one `LoaderSpec`, `loader.spec` (also readable as attributes:
+    `loader.shuffle`, `loader.per_core_batch_size`, ...); `DeviceLoader(spec)` makes a
+    loader from a spec, and `padded()` is this loader for evaluation.
     """
 
-    def __init__(self, dataset, batch_size: int, shuffle: bool, drop_last: bool,
-                 num_workers: Optional[int], seed: int, loader_kwargs: dict, pad: bool = False,
-                 skip_errors: bool = False, augment=None, train: bool = True,
-                 worker_options: Optional[dict] = None, pin_memory: bool = False,
-                 draws: Optional["_Draws"] = None):
-        self.dataset = dataset
-        self.per_core_batch_size = batch_size
-        self.shuffle, self.drop_last, self.seed, self.pad = shuffle, drop_last, seed, pad
-        self.skip_errors = skip_errors
-        self.augment, self.train = augment, train
-        self.num_workers = num_workers
-        self.loader_kwargs = loader_kwargs
-        self.worker_options = worker_options or {}  # DataLoader options that need workers
-        self.pin_memory = pin_memory
-        self.draws = draws
+    def __init__(self, spec: LoaderSpec):
+        if not isinstance(spec, LoaderSpec):
+            raise TypeError(f"DeviceLoader(spec) takes a LoaderSpec (a loader's `.spec`), got "
+                            f"{type(spec).__name__}: make a loader with "
+                            f"tu.make_loader(dataset, batch_size, ...)")
+        self._spec = spec
         self._init_replicas()
+
+    @property
+    def spec(self) -> LoaderSpec:
+        """Every option of this loader (`spec.replace(...)` and `DeviceLoader(...)` for
+        another loader: the per-replica state is built from this one)."""
+        return self._spec
+
+    dataset = _from_spec("dataset")
+    per_core_batch_size = _from_spec("batch_size")
+    train = _from_spec("train")
+    shuffle = _from_spec("shuffle")
+    drop_last = _from_spec("drop_last")
+    pad = _from_spec("pad")
+    seed = _from_spec("seed")
+    skip_errors = _from_spec("skip_errors")
+    num_workers = _from_spec("num_workers")
+    worker_options = _from_spec("worker_options")
+    loader_kwargs = _from_spec("loader_kwargs")
+    pin_memory = _from_spec("pin_memory")
+    draws = _from_spec("draws")
+    augment = _from_spec("augment")
+
+    def padded(self, batch_size: Optional[int] = None) -> "DeviceLoader":
+        """This loader for evaluation: in order, every sample kept, every batch on every
+        replica full (batches are `(batch, valid)`, `valid` False on the repeats), and
+        every other option kept. `batch_size` (per core) replaces the batch size.
+
+        Example:
+            >>> import torch, tpu_utility as tu
+            >>> ds = torch.utils.data.TensorDataset(torch.arange(10.))
+            >>> loader = tu.make_loader(ds, 4, train=False, num_workers=0, skip_errors=True)
+            >>> twin = loader.padded()
+            >>> twin.pad, twin.skip_errors, len(twin)
+            (True, True, 3)
+        """
+        return DeviceLoader(self.spec.padded(batch_size))
 
     def _init_replicas(self) -> None:
         self._replicas = weakref.WeakKeyDictionary()  # engine -> _ReplicaState
@@ -143,50 +262,51 @@ class DeviceLoader:
     def _build(self, engine):
         import torch
         from torch.utils.data import DataLoader, DistributedSampler
+        spec = self.spec
         replicas, rank = engine.shard()
-        per_step = engine.per_step_batch(self.per_core_batch_size)
-        dataset = self.dataset
+        per_step = engine.per_step_batch(spec.batch_size)
+        dataset = spec.dataset
         rows_only = draws_no_randomness(dataset)  # no seeding, no workers by default
         if len(dataset) == 0:
             raise ValueError("make_loader: the dataset is empty (0 samples)")
-        if self.pad:  # a whole number of full global batches: static shapes, no padding by the sampler
-            dataset = PaddedDataset(dataset, self.per_core_batch_size * engine.world_size)
-        dataset = _Loading(dataset, len(self.dataset), self.skip_errors, self.seed,
+        if spec.pad:  # a whole number of full global batches: static shapes, no padding by the sampler
+            dataset = PaddedDataset(dataset, spec.batch_size * engine.world_size)
+        dataset = _Loading(dataset, len(spec.dataset), spec.skip_errors, spec.seed,
                            seeds=not rows_only, keys=self._keyed)
         # One sampler for every engine, so all see the same permutation (seed + epoch).
         sampler = _Sampler(DistributedSampler(dataset, num_replicas=replicas, rank=rank,
-                                              shuffle=self.shuffle, seed=self.seed,
-                                              drop_last=self.drop_last))
-        workers = self.num_workers
+                                              shuffle=spec.shuffle, seed=spec.seed,
+                                              drop_last=spec.drop_last))
+        workers = spec.num_workers
         if workers is None:
             workers = default_workers(engine.local_replicas, rows_only)
         # No persistent workers (persistent_workers=True is taken and not kept): a valid
         # loader's workers, forked while the train loader's stay alive, inherit its
         # iterator and fail on it at exit.
-        kwargs = {**engine.loader_options(workers), **self.loader_kwargs}
+        kwargs = {**engine.loader_options(workers), **spec.loader_kwargs}
         if workers > 0:  # DataLoader refuses these without workers; make_loader may pick none
-            options = dict(self.worker_options)
+            options = dict(spec.worker_options)
             if "multiprocessing_context" in options and "multiprocessing_context" in kwargs and \
                     _forks(options["multiprocessing_context"]):
                 # the engine's own fork (XLA's keeps the GC frozen around it)
                 del options["multiprocessing_context"]
             kwargs.update(options)
-        if self.pin_memory and _pins():  # elsewhere DataLoader pins nothing, and warns every epoch
+        if spec.pin_memory and _pins():  # elsewhere DataLoader pins nothing, and warns every epoch
             kwargs["pin_memory"] = True
-        if self.skip_errors or self._keyed:
+        if spec.skip_errors or self._keyed:
             kwargs["collate_fn"] = _Collate(kwargs.get("collate_fn"))
         if workers > 0:
             kwargs["worker_init_fn"] = _WorkerInit(kwargs.get("worker_init_fn"))
         # Its own generator: starting an epoch draws a seed, and that must not come from
         # the global RNG, whose state a checkpoint restores mid-epoch (what a DataLoader
         # draws from it, or from the caller's generator=, `_Draws` draws in __iter__).
-        kwargs["generator"] = torch.Generator().manual_seed(self.seed)
+        kwargs["generator"] = torch.Generator().manual_seed(spec.seed)
         loader = DataLoader(dataset, batch_size=per_step, sampler=sampler,
-                            drop_last=self.drop_last, num_workers=workers, **kwargs)
+                            drop_last=spec.drop_last, num_workers=workers, **kwargs)
         if len(loader) == 0:
             raise ValueError(
                 f"make_loader: {len(dataset)} samples make no full batch of "
-                f"{self.per_core_batch_size * engine.world_size} ({self.per_core_batch_size} per "
+                f"{spec.batch_size * engine.world_size} ({spec.batch_size} per "
                 f"core x {engine.world_size} cores) with drop_last=True; use a smaller batch_size "
                 f"or more data")
         return loader
@@ -194,7 +314,7 @@ class DeviceLoader:
     @property
     def _keyed(self) -> bool:
         """Whether batches carry each sample's augmentation key (training with augment=)."""
-        return self.augment is not None and self.train
+        return self.spec.augment is not None and self.spec.train
 
     def __iter__(self) -> Iterator:
         state = self._replica()
@@ -612,7 +732,6 @@ def make_loader(data=None, batch_size: Optional[int] = None, shuffle: Optional[b
     if sampler is not None and shuffle:
         raise ValueError("make_loader(sampler=..., shuffle=True): the sampler decides the order "
                          "(DataLoader refuses the two together too), so drop shuffle=True")
-    check_int(batch_size, "batch_size", why=" (per core)")
     if isinstance(data, torch.utils.data.IterableDataset):
         raise TypeError("make_loader needs a map-style Dataset (with __len__ and __getitem__) "
                         "so it can shard it over replicas; convert the IterableDataset to a list "
@@ -625,22 +744,16 @@ def make_loader(data=None, batch_size: Optional[int] = None, shuffle: Optional[b
         if mirrored is None else \
         _dataloader_draws(mirrored.sampler, False, generator, persistent_workers, len(data))
     drop_last = train if drop_last is None else drop_last
-    if pad and drop_last:
-        raise ValueError("pad=True keeps every sample: use it with train=False or drop_last=False")
-    if augment is not None:
-        from .augment import Augment
-        if not isinstance(augment, Augment):
-            raise TypeError(f"augment must be what tu.aug_transforms(...) returns, got "
-                            f"{type(augment).__name__}")
     if collate_fn is not None:
         loader_kwargs["collate_fn"] = collate_fn
     worker_options = {k: v for k, v in (
         ("worker_init_fn", worker_init_fn), ("timeout", timeout),
         ("prefetch_factor", prefetch_factor), ("multiprocessing_context", multiprocessing_context),
     ) if v is not None and not (k == "timeout" and v == 0)}
-    out = DeviceLoader(read, batch_size, shuffle, drop_last, num_workers, seed, loader_kwargs,
-                       pad, skip_errors, augment, train, worker_options=worker_options,
-                       pin_memory=bool(pin_memory), draws=draws)
+    out = DeviceLoader(LoaderSpec(  # it checks batch_size, pad and augment: padded() alike
+        read, batch_size, train=train, shuffle=shuffle, drop_last=drop_last, pad=pad, seed=seed,
+        skip_errors=skip_errors, num_workers=num_workers, worker_options=worker_options,
+        loader_kwargs=loader_kwargs, pin_memory=bool(pin_memory), draws=draws, augment=augment))
     len(out)  # too few samples for one batch: say so now, not at the first epoch
     return out
 

@@ -6,14 +6,17 @@
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Optional, Tuple
 
 from .._tree import batch_len
 from ..data import DeviceLoader, make_loader
 
+if TYPE_CHECKING:
+    import torch
+
 
 def train_step(model, loss_fn: Callable, batch, *, batch_fn: Optional[Callable], autocast,
-               accum: int = 1) -> Tuple["torch.Tensor", int]:  # noqa: F821
+               accum: int = 1) -> Tuple["torch.Tensor", int]:
     """Forward, loss and backward for one batch (the loss scaled by 1/accum for gradient
     accumulation); returns the loss, detached, and the batch's sample count."""
     inputs, target = split_batch(batch, batch_fn)
@@ -29,12 +32,8 @@ def as_loader(data, *, train: bool, name: str, pad: bool = False, batch_size: Op
     samples = data.dataset if isinstance(data, (DeviceLoader, torch.utils.data.DataLoader)) else data
     if hasattr(samples, "__len__") and len(samples) == 0:
         raise ValueError(f"{name} is empty: it has 0 samples")
-    if isinstance(data, DeviceLoader):
-        if pad and not data.pad:
-            data = make_loader(data.dataset, batch_size or data.per_core_batch_size, train=False,
-                               pad=True, num_workers=data.num_workers, augment=data.augment,
-                               **data.loader_kwargs)
-        return data
+    if isinstance(data, DeviceLoader):  # padded, it keeps every option (skip_errors, seed, workers)
+        return data.padded(batch_size or None) if pad and not data.spec.pad else data
     if isinstance(data, torch.utils.data.DataLoader):
         return make_loader(data, batch_size, train=train, pad=pad, drop_last=False if pad else None)
     if isinstance(data, torch.utils.data.Dataset) or hasattr(data, "__getitem__"):
