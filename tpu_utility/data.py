@@ -349,7 +349,7 @@ class DeviceLoader:
                 state.engine.cut_step()
                 meter.ask()
                 batch = next(batches, _END)
-                meter.got()
+                meter.got(batch)
                 state.engine.beat()
                 if batch is _END or guard.error is not None:  # not the batches prefetched before it
                     break

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
 from .compat import xla_counts
-from .input_wait import HIGH, cure
+from .input_wait import cure, worth_a_hint
 
 
 @dataclass
@@ -136,7 +136,7 @@ def hints(rep: XlaReport, history=None, sites=(), loaders=(), waits=()) -> List[
     pipeline's measured wait (the History's, else the longest of `waits`)."""
     out = []
     wait = getattr(history, "input", None) or max(waits, key=lambda w: w.share, default=None)
-    if wait is not None and wait.share > HIGH:
+    if wait is not None and worth_a_hint(wait):
         from .data import default_workers
         from .engines import current
         out.append(cure(wait, default_workers(current().local_replicas)))
