@@ -4,24 +4,40 @@ Bars are fastprogress's (1.0.x or 1.1.x), where it is installed: Colab's image s
 1.1.6, Kaggle's none, and tpu_utility does not install it (1.1 would bring ~25 packages
 into the image). Without it, and in piped output (CI logs, `nohup`), the table is one
 plain line per epoch instead of a stream of carriage-return redraws: fastprogress
-treats every stdout as a terminal. Bars are updated with Python ints only, so a bar
-never reads the device.
+treats every stdout as a terminal. So is a replica that `run` forked from a notebook
+kernel: see `bars_wanted`. Bars are updated with Python ints only, so a bar never reads
+the device.
 """
 from __future__ import annotations
 
 import sys
-from typing import Iterable, List, Optional
+from typing import Iterable, List, Optional, Sequence
 
 from .devices import is_master
 from .environment import in_notebook
 
 
 def bars_wanted(enabled: bool = True) -> bool:
-    """Whether to draw progress bars here: master replica, and a notebook or a terminal."""
+    """Whether to draw progress bars here: master replica, and a terminal, or a notebook
+    kernel's own process where fastprogress draws HTML bars.
+
+    In a notebook, text bars are never drawn: not in a process forked from the kernel
+    (every `run` replica there), which cannot display the kernel's HTML bars, nor in a
+    kernel where fastprogress fell back to them (1.0.x without matplotlib). Text bars are
+    carriage-return redraws, and front ends and saved notebooks (a Kaggle version,
+    nbconvert, a notebook run by nbclient) show the stream messages they arrive in
+    apart: fastprogress's console bar opens with an encoding probe,
+    `print("█", end="\r")`, that stays as a line of its own before every epoch (1.0.x and
+    1.1.x), and every redraw becomes a line. The epoch table's plain lines read the same
+    everywhere, with or without fastprogress.
+    """
+    import multiprocessing
     if not enabled or not is_master() or not has_fastprogress():
         return False
+    if in_notebook():
+        return multiprocessing.parent_process() is None and _html_bars()
     isatty = getattr(sys.stdout, "isatty", None)
-    return in_notebook() or bool(isatty and isatty())
+    return bool(isatty and isatty())
 
 
 def has_fastprogress() -> bool:
@@ -29,10 +45,18 @@ def has_fastprogress() -> bool:
     return importlib.util.find_spec("fastprogress") is not None
 
 
+def _html_bars() -> bool:
+    """Whether fastprogress's bars here are its notebook (HTML) ones: it picks them when
+    imported in a kernel whose display imports work (1.0.x also needs matplotlib)."""
+    from fastprogress import fastprogress as fp
+    return fp.progress_bar is getattr(fp, "NBProgressBar", None)
+
+
 def bar_classes():
     """fastprogress's (master_bar, progress_bar): HTML in the notebook kernel itself, text
     elsewhere. A child process that run() forked from a kernel can print (the kernel
-    forwards its output) but cannot display widgets (the kernel's I/O thread is not there)."""
+    forwards its output) but cannot display widgets (the kernel's I/O thread is not
+    there); `bars_wanted` gives it none."""
     import multiprocessing
     from fastprogress import fastprogress as fp
     if in_notebook() and multiprocessing.parent_process() is None:
