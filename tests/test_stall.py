@@ -111,3 +111,51 @@ def test_a_dataset_that_blocks_for_ever_is_named(run_script):
     assert f":{line} in __getitem__ (`threading.Event().wait()" in r["message"]
     assert 3 <= r["seconds"] < 3 + 5
     assert r["left"] == 0
+
+
+def _dump(*threads):
+    """A faulthandler dump: each thread given as its frames (file, line, function), innermost first."""
+    out = []
+    for i, frames in enumerate(threads):
+        out.append(f"{'Current thread' if i == 0 else 'Thread'} 0x{i + 1:016x} (most recent call first):")
+        out += [f'  File "{f}", line {n} in {fn}' for f, n, fn in frames]
+        out.append("")
+    return "\n".join(out)
+
+
+def _replica_thread(line, func="train_fn"):
+    from tpu_utility import launcher
+    return [("/home/me/train.py", line, func), (launcher.__file__, 360, "_replica_main"),
+            (threading.__file__, 1000, "run")]
+
+
+def test_a_stall_names_processes_that_run_several_replicas_as_processes():
+    # TPU v3-8 ("launch"): 4 processes x 2 replica threads; torch_xla numbers process p's
+    # replicas 2p and 2p+1. The process is what dumps its stacks, and what the message names.
+    import concurrent.futures.thread
+    main = [(concurrent.futures.thread.__file__, 235, "shutdown")]  # Python's: not the user's
+    dumps = [_dump(main, _replica_thread(10), _replica_thread(10)),       # both at one place
+             _dump(main, _replica_thread(10), _replica_thread(42, "step")),  # at two places
+             None, _dump(main)]
+    message = str(tu.stall.stalled(40.0, 30, dumps, per_process=2))
+    print(message)
+    assert ("process 0 (replicas 0 and 1) waits at /home/me/train.py:10 in train_fn "
+            "(both of its replica threads); ") in message
+    assert ("process 1 (replicas 2 and 3) waits at /home/me/train.py:10 in train_fn in one replica "
+            "thread; at /home/me/train.py:42 in step in another") in message
+    assert "process 2 (replicas 4 and 5) wrote no stack" in message
+    assert "process 3 (replicas 6 and 7) is not running train_fn" in message
+    assert "replica 1 " not in message and "replica 3 " not in message
+    stacks = tu.stall.stalled(40.0, 30, dumps, per_process=2).stacks
+    assert stacks.count("--- process ") == 4 and "--- process 3 (replicas 6 and 7) ---" in stacks
+    # One replica per process (v5e-8, the "distributed" engine): each process is its replica.
+    one = str(tu.stall.stalled(40.0, 30, [_dump(main, _replica_thread(10))] * 2, per_process=1))
+    assert "replica 1 waits at /home/me/train.py:10 in train_fn" in one
+    assert "process" not in one.split("stopped:")[1]
+
+
+def test_the_watch_knows_how_many_replicas_each_process_runs():
+    procs = [object()] * 4
+    assert tu.stall.Watch(None, 30, procs, "/tmp", replicas=8).per_process == 2  # v3-8
+    assert tu.stall.Watch(None, 30, [object()] * 8, "/tmp", replicas=8).per_process == 1  # v5e-8
+    assert tu.stall.Watch(None, 30, procs, "/tmp").per_process == 1

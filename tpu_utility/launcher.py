@@ -131,7 +131,7 @@ def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), 
                              args=(cls, setup, cores, r, nprocs, train_fn, args, results,
                                    start_method, outbox, os.getpid(), board, beats))
                  for r in range(nprocs)]
-        watch = Watch(beats, stall_timeout, procs, outbox)
+        watch = Watch(beats, stall_timeout, procs, outbox, replicas=expected)
         try:
             for p in procs:
                 p.start()

@@ -55,12 +55,15 @@ class Beat:
 
 
 class Watch:
-    """run's side: the heartbeats, and where each replica process dumps its stacks."""
+    """run's side: the heartbeats, and where each replica process dumps its stacks.
+    `replicas`: how many replicas the processes run on this host in all (8 on a TPU v3-8:
+    4 processes of 2 replica threads each)."""
 
     def __init__(self, beats: Optional[Heartbeats], stall_timeout: Optional[float], procs,
-                 outbox: str):
+                 outbox: str, replicas: Optional[int] = None):
         self.beats, self.stall_timeout, self.procs = beats, stall_timeout, procs
         self.dumps = [dump_path(outbox, r) for r in range(len(procs))]
+        self.per_process = max(1, (replicas or len(procs)) // max(1, len(procs)))
 
     def check(self) -> None:
         """Raise `Stalled` once no replica process has made progress for stall_timeout."""
@@ -68,7 +71,8 @@ class Watch:
             return
         silent = self.beats.silent_for()
         if silent > self.stall_timeout:
-            raise stalled(silent, self.stall_timeout, collect_dumps(self.procs, self.dumps))
+            raise stalled(silent, self.stall_timeout, collect_dumps(self.procs, self.dumps),
+                          self.per_process)
 
 
 def dump_path(outbox: str, local_rank: int) -> str:
@@ -115,13 +119,16 @@ class Stalled(TimeoutError):
         self.stacks = stacks
 
 
-def stalled(seconds: float, stall_timeout: float, dumps: List[Optional[str]]) -> Stalled:
-    """The error for a stall: where each replica process waits, from its dump."""
+def stalled(seconds: float, stall_timeout: float, dumps: List[Optional[str]],
+            per_process: int = 1) -> Stalled:
+    """The error for a stall: where each replica process waits, from its dump (one per
+    process, `per_process` replicas in each)."""
     places = []
-    for rank, text in enumerate(dumps):
-        places.append(f"replica {rank} " + (where(text) if text else
-                                            "wrote no stack (it may be stuck outside Python)"))
-    stacks = "\n".join(f"--- replica {r} ---\n{t or '(none)'}" for r, t in enumerate(dumps))
+    for index, text in enumerate(dumps):
+        places.append(f"{process_name(index, per_process)} " + (
+            where(text) if text else "wrote no stack (it may be stuck outside Python)"))
+    stacks = "\n".join(f"--- {process_name(i, per_process)} ---\n{t or '(none)'}"
+                       for i, t in enumerate(dumps))
     return Stalled(
         f"run(): no replica finished a batch or an optimizer step for {seconds:.0f} s "
         f"(stall_timeout={stall_timeout:g}), so the run was stopped: " + "; ".join(places)
@@ -130,20 +137,41 @@ def stalled(seconds: float, stall_timeout: float, dumps: List[Optional[str]]) ->
         stacks)
 
 
+def process_name(index: int, per_process: int = 1) -> str:
+    """How the error names replica process `index`: "replica 3" where a process runs one
+    replica; "process 1 (replicas 2 and 3)" where it runs several, as threads (TPU v2/v3:
+    torch_xla numbers the replicas of process p from p * per_process on)."""
+    if per_process == 1:
+        return f"replica {index}"
+    first = index * per_process
+    numbers = [str(r) for r in range(first, first + per_process)]
+    return f"process {index} (replicas {', '.join(numbers[:-1])} and {numbers[-1]})"
+
+
 _FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 
 
 def where(dump: str) -> str:
     """'waits at <file>:<line> in <function>' for the replica's own thread (the one that runs
     train_fn), naming the innermost frame of the user's code and the call it is in; plus
-    any other thread that waits in the user's code (a loader thread in a dataset)."""
+    any other thread that waits in the user's code (a loader thread in a dataset). A
+    process whose replicas are threads (TPU v2/v3) has one such thread per replica: each
+    is named, once per place."""
     threads = _threads(dump)
-    # The thread through launcher._replica_main, which calls train_fn.
-    mine = next((t for t in threads if any(f[2] == "_replica_main" for f in t)), None)
-    if mine is None:
+    # The threads through launcher._replica_main, which calls train_fn.
+    mine = [t for t in threads if any(f[2] == "_replica_main" for f in t)]
+    if not mine:
         return "is not running train_fn"
-    text = "waits at " + _place(mine)
-    others = [t for t in threads if t is not mine and _user_frame(t) is not None]
+    places = list(dict.fromkeys(_place(t) for t in mine))
+    if len(mine) == 1:
+        text = "waits at " + places[0]
+    elif len(places) == 1:
+        both = "both" if len(mine) == 2 else f"all {len(mine)}"
+        text = f"waits at {places[0]} ({both} of its replica threads)"
+    else:
+        text = (f"waits at {places[0]} in one replica thread; "
+                + "; ".join(f"at {p} in another" for p in places[1:]))
+    others = [t for t in threads if t not in mine and _user_frame(t) is not None]
     for t in others:
         text += f" (another of its threads waits at {_place(t)})"
     return text
