@@ -82,6 +82,17 @@ def end_step() -> None:
     xp.set_tracer_marked_step(True)
 
 
+def close_feed(batches) -> None:
+    """Stop the loading threads behind an MpDeviceLoader iterator (`iter(loader)`).
+
+    An epoch left early would otherwise leave them, and the DataLoader workers they hold,
+    blocked on a full queue. torch_xla exposes no public way to reach them from the
+    iterator: `PerDeviceLoader` keeps its `ParallelLoader` as `_loader` (2.8 and 2.9), and
+    that one's `close()` is public.
+    """
+    batches._loader.close()
+
+
 def use_compile_cache(folder: Optional[str]) -> None:
     """Keep this process's compiled graphs in `folder` (torch_xla's persistent cache),
     before the runtime compiles anything; None: leave it off."""

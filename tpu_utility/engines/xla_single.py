@@ -131,11 +131,12 @@ class _ClosingFeed:
         self.loader = loader
 
     def __iter__(self):
+        from ..compat import close_feed
         batches = iter(self.loader)
         try:
             yield from batches
         finally:
-            batches._loader.close()
+            close_feed(batches)
 
 
 class _GcFrozenForkProcess(mpc.ForkProcess):
