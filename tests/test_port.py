@@ -4,7 +4,9 @@ import json
 import sys
 import textwrap
 
-from conftest import ROOT, run_process
+import pytest
+
+from conftest import ROOT, run_process, script_env
 
 AMP_SCRIPT = '''\
 import numpy as np
@@ -328,3 +330,210 @@ def test_source_facts_answer_for_any_node_not_only_a_module():
     finder.visit(fn)  # the rules read the facts they were given: no pre-scan to miss
     assert [line for line, _ in finder.notes.todo] == [4]
     assert finder.edits.swaps == [(5, "torch.cuda.empty_cache() has no meaning on a TPU: removed")]
+
+
+# -- A model moved after its optimizer is made ------------------------------------------------
+# On CUDA .to() keeps the Parameter objects, so the order does not matter; on XLA it makes
+# new ones and an optimizer made before the move keeps the old CPU tensors: it trains nothing.
+
+def test_port_moves_a_model_move_up_before_the_optimizer_made_from_it():
+    from tpu_utility.port import port_source
+    # `model = model.cuda()` in a function (port's own .to(tu.get_device()) goes with it),
+    # with the comment right above it; the schedule made from the optimizer stays after it
+    source = textwrap.dedent('''\
+        def main(net):
+            model = net
+            # the optimizer and its schedule
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            sched = torch.optim.lr_scheduler.StepLR(opt, 10)
+            # to the GPU
+            model = model.cuda()
+            train(model, opt, sched)
+        ''')
+    result = port_source(source)
+    assert result.text == textwrap.dedent('''\
+        def main(net):
+            model = net
+            # to the GPU
+            model = model.to(tu.get_device())
+            # the optimizer and its schedule
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            sched = torch.optim.lr_scheduler.StepLR(opt, 10)
+            train(model, opt, sched)
+        ''')
+    assert (7, "`model = model.cuda()` moved up, before `opt` is made: on XLA .to() makes new "
+               "parameters, and an optimizer made before it would train nothing") in result.swaps
+    assert result.todo == []
+    # two nets, each moved before its own optimizer: `.cuda()` in a function, `.to(device)`
+    # at the top of a cell (a notebook's `.to(device)` stays: the device is tu.get_device())
+    gan = port_source(textwrap.dedent('''\
+        def build():
+            netG, netD = G(), D()
+            optG = optim.Adam(netG.parameters(), lr=2e-4)
+            optD = optim.Adam(netD.parameters(), lr=2e-4)
+            netG.cuda()
+            netD.cuda()
+            return netG, netD, optG, optD
+        model = Net()
+        optimizer = optim.Adam([{"params": model.body.parameters()},
+                                {"params": model.head.parameters(), "lr": 1e-4}], lr=1e-3)
+        model.to(device)
+        '''))
+    assert gan.text == textwrap.dedent('''\
+        def build():
+            netG, netD = G(), D()
+            netG.to(tu.get_device())
+            optG = optim.Adam(netG.parameters(), lr=2e-4)
+            netD.to(tu.get_device())
+            optD = optim.Adam(netD.parameters(), lr=2e-4)
+            return netG, netD, optG, optD
+        model = Net()
+        model.to(device)
+        optimizer = optim.Adam([{"params": model.body.parameters()},
+                                {"params": model.head.parameters(), "lr": 1e-4}], lr=1e-3)
+        ''')
+    assert [line for line, what in gan.swaps if "moved up" in what] == [5, 6, 11]
+    assert gan.todo == []
+
+
+def test_port_lists_a_model_moved_after_its_optimizer_where_moving_could_change_the_script():
+    from tpu_utility.port import port_source
+    source = textwrap.dedent('''\
+        def resume(model, ckpt):
+            opt = torch.optim.Adam(model.parameters())
+            opt.load_state_dict(ckpt["optimizer"])
+            model.to(device)
+            return opt
+
+        def fine_tune(head, use_cuda):
+            opt = torch.optim.SGD(head.parameters(), lr=0.1)
+            if use_cuda:
+                head.to(device)
+            return opt
+
+        def wrapped(model):
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            model = nn.DataParallel(model)
+            model.to(device)
+            return opt
+        ''')
+    result = port_source(source)
+    assert result.text == source and result.swaps == []
+    fix = ("create the optimizer after model.to(device): on XLA .to() makes new parameters, "
+           "and this optimizer would keep the old ones (the run refuses to step it)")
+    assert result.todo == [
+        (2, "`opt` is made before `model.to(device)` moves its model (`opt.load_state_dict("
+            "ckpt[\"optimizer\"])` between them depends on it, so port kept the order): " + fix),
+        (8, "`opt` is made before `head.to(device)` moves its model (they are in different "
+            "blocks, so port kept the order): " + fix),
+        (14, "`opt` is made before `model.to(device)` moves its model (`model = nn.DataParallel"
+             "(model)` between them depends on it, so port kept the order): " + fix)]
+
+
+ORDER_CELLS = [
+    "import torch\nimport torch.nn as nn\ndevice = torch.device('cuda' if torch.cuda.is_available() else 'cpu')",
+    "model = nn.Linear(8, 2)\noptimizer = torch.optim.Adam(model.parameters())\ncriterion = nn.CrossEntropyLoss()",
+    "model.to(device)",
+    # in one cell the move goes up, as in a script
+    "model2 = nn.Linear(8, 2)\noptimizer2 = torch.optim.Adam(model2.parameters())\nmodel2.to(device)",
+]
+
+
+def test_port_lists_a_notebook_model_moved_in_a_later_cell_than_its_optimizer(tmp_path):
+    from tpu_utility.port import port
+    notebook = {"cells": [{"cell_type": "code", "metadata": {}, "execution_count": None,
+                           "outputs": [], "source": c.splitlines(keepends=True)} for c in ORDER_CELLS],
+                "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    src = tmp_path / "order.ipynb"
+    src.write_text(json.dumps(notebook))
+    result = port(str(src))
+    cells = ["".join(c["source"]) for c in json.loads((tmp_path / "order_tpu.ipynb").read_text())["cells"]]
+    assert cells[1:3] == ORDER_CELLS[1:3]  # code is never moved from cell to cell
+    assert cells[3] == "model2 = nn.Linear(8, 2)\nmodel2.to(device)\noptimizer2 = torch.optim.Adam(model2.parameters())\n"
+    assert (1, "cell 3: `model.to(device)` moves a model after `optimizer` was made from its "
+               "parameters in an earlier cell (line 2: cell 2): create the optimizer after "
+               "model.to(device): on XLA .to() makes new parameters, and this optimizer would "
+               "keep the old ones (the run refuses to step it)") in result.todo
+    assert [line for line, what in result.swaps if "moved up" in what] == [3]
+    assert sum("earlier cell" in what or "moves its model" in what for _, what in result.todo) == 1
+
+
+def test_port_leaves_an_optimizer_made_after_the_move_or_from_another_model():
+    from tpu_utility.port import port_source
+    source = textwrap.dedent('''\
+        model = Net().to(device)
+        optimizer = torch.optim.Adam(model.parameters())
+        model.to(device)  # already on the device: the same parameters
+        enc_opt = torch.optim.Adam(encoder.parameters())
+        decoder.to(device)
+        half_opt = torch.optim.SGD(half.parameters(), lr=0.1)
+        half.to(torch.bfloat16)  # a conversion in place keeps the Parameter objects
+        def main(net):
+            net.to(device)
+            opt = torch.optim.SGD(net.parameters(), lr=0.1)
+            net = Net()  # another model: moving it leaves opt's alone
+            net.to(device)
+            return opt
+        ''')
+    result = port_source(source)
+    assert result.text == source and result.swaps == [] and result.todo == []
+
+
+# The shape of a public tutorial notebook, as a script: the model built, its optimizer and
+# schedule made, then `model.to(device)`, and the training at the top level. Ported before
+# port moved the move, it trained at ln(3) every epoch on XLA.
+ORDER_SCRIPT = '''\
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+g = torch.Generator().manual_seed(0)
+x = torch.randn(256, 10, generator=g)
+y = (x @ torch.randn(10, 3, generator=g)).argmax(1)
+# one batch an epoch: make_loader's order is its own, and a whole batch's loss is not
+loader = DataLoader(TensorDataset(x, y), batch_size=256, shuffle=True)
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3))
+optimizer = torch.optim.Adam(model.parameters(), lr=5e-2)
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+criterion = nn.CrossEntropyLoss()
+# to the GPU
+model.to(device)
+
+for epoch in range(6):
+    model.train()
+    for xb, yb in loader:
+        xb, yb = xb.to(device), yb.to(device)
+        optimizer.zero_grad()
+        loss = criterion(model(xb), yb)
+        loss.backward()
+        optimizer.step()
+    scheduler.step()
+    print(f"EPOCH {epoch} LOSS {loss.item():.6f}")
+'''
+
+
+def test_a_ported_script_with_its_optimizer_made_before_the_move_trains(tmp_path):
+    from test_port_corpus import DRIVER, _losses  # the corpus test's driver and reader
+    from tpu_utility.port import port
+    src = tmp_path / "order.py"
+    src.write_text(ORDER_SCRIPT)
+    result = port(str(src))
+    text = (tmp_path / "order_tpu.py").read_text()
+    assert "    # to the GPU\n    model.to(device)\n    optimizer = torch.optim.Adam(" in text
+    assert any("moved up" in what for _, what in result.swaps)
+    ported = tmp_path / "order_tpu_1.py"
+    ported.write_text(text.replace("cores=8", "cores=1, start_method='fork'"))
+    # one process: the port (its replica forked before this process runs autograd, whose
+    # engine, started on the CPU alone, would have no queue for XLA), then the original
+    jobs = [["order:1", str(ported), [], {}], ["order:cpu", str(src), [], {}]]
+    (tmp_path / "driver.py").write_text(DRIVER)
+    proc = run_process([sys.executable, str(tmp_path / "driver.py"), json.dumps(jobs)],
+                       cwd=tmp_path, timeout=300, env=script_env())
+    assert proc.returncode == 0 and "=== end" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    losses = _losses(proc.stdout, {"order": (None, None, None, r"EPOCH \d+ LOSS (\S+)")})
+    want, got = losses["order:cpu"], losses["order:1"]
+    assert len(want) == 6 and want[-1] < 0.7 * want[0], want
+    assert got == pytest.approx(want, rel=2e-3, abs=2e-4), (got, want)

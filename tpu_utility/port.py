@@ -19,7 +19,8 @@ from typing import List, Optional, Tuple
 
 from .port_wrap import _is_main_guard, wrap_top_level
 from .source_facts import (GRAD_SCALERS, HOST_READS, LOOPS, OPTIMIZER, ModuleFacts, calls,
-                           dotted, mask_magics, method, module_facts)
+                           chains, dotted, mask_magics, method, module_facts, moves_to_device,
+                           parameter_owners, run_nodes)
 
 _DEVICE = "tu.get_device()"
 _NO_TPU_MEANING = {"empty_cache", "reset_peak_memory_stats", "reset_max_memory_allocated",
@@ -51,11 +52,13 @@ class PortResult:
 
 
 def port_source(source: str, optimizers: Optional[set] = None,
-                train_fns: Optional[set] = None, *, script: bool = False) -> PortResult:
+                train_fns: Optional[set] = None, *, script: bool = False,
+                unmoved: Optional["_Unmoved"] = None) -> PortResult:
     """The swaps for one piece of Python source (a script, or a notebook cell).
 
-    `optimizers`, the names bound to optimizers so far, and `train_fns`, the functions
-    that train, carry over between a notebook's cells (and are updated). In a `script`,
+    `optimizers`, the names bound to optimizers so far, `train_fns`, the functions that
+    train, and `unmoved`, the optimizers made at the top level before their model's move,
+    carry over between a notebook's cells (and are updated). In a `script`,
     training at the top level is moved into a function that `tu.run` runs (port_wrap.py);
     a notebook's cells are left where they are, with a note.
 
@@ -81,6 +84,7 @@ def port_source(source: str, optimizers: Optional[set] = None,
     finder = _Finder(source.splitlines(keepends=True), facts, optimizers)
     finder.visit(tree)
     _Steps(finder.edits, finder.notes, facts, optimizers).port()
+    _MovesFirst(finder.edits, finder.notes, facts, unmoved or _Unmoved()).port()
     finder.notes.check_structure(tree, train_fns)
     result = PortResult(_apply(source, finder.edits.edits), sorted(finder.edits.swaps),
                         sorted(finder.notes.todo))
@@ -163,8 +167,9 @@ It swaps: the device for tu.get_device(); DataLoader(...) for tu.make_loader(...
 opt.step() for tu.optimizer_step(opt); autocast and GradScaler for tu's; torch.save for
 tu.save; torch.cuda.synchronize() for tu.sync(). A manual update of p.data from p.grad
 gets tu.average_gradients(...) before it, and a step no make_loader feeds ends with
-tu.sync(). A script's training at the top level becomes a function, train_fn, run on
-every core by tu.run(train_fn, cores=8).
+tu.sync(). A model's .to(device) after its optimizer is made goes up, before it (on
+XLA .to() makes new parameters). A script's training at the top level becomes a
+function, train_fn, run on every core by tu.run(train_fn, cores=8).
 
 Run the ported file with python as before. docs/porting.md has the details."""
 
@@ -254,16 +259,21 @@ class _Edits:
         self.swaps.append((node.lineno, what))
         return True
 
+    def owns_lines(self, stmt) -> bool:
+        """Whether no other code shares a line with `stmt` (a comment after it may)."""
+        first, last = self.lines[stmt.lineno - 1], self.lines[stmt.end_lineno - 1]
+        return not (first.encode()[:stmt.col_offset].strip() or
+                    last.encode()[stmt.end_col_offset:].split(b"#")[0].strip())
+
+    def lines_end(self, last: int) -> Tuple[int, int]:
+        """Where deleting whole lines up to line `last` ends: the next line's start."""
+        return (last + 1, 0) if last < len(self.lines) else (last, len(self.lines[-1].encode()))
+
     def remove(self, stmt, what: str, alone: bool) -> bool:
         """Delete a statement's lines; `pass` where it is `alone` in its block or shares a line."""
-        first, last = self.lines[stmt.lineno - 1], self.lines[stmt.end_lineno - 1]
-        shares_line = first.encode()[:stmt.col_offset].strip() or \
-            last.encode()[stmt.end_col_offset:].split(b"#")[0].strip()
-        if alone or shares_line:
+        if alone or not self.owns_lines(stmt):
             return self.replace(stmt, "pass", what)
-        end = (stmt.end_lineno + 1, 0) if stmt.end_lineno < len(self.lines) else \
-            (stmt.end_lineno, len(last.encode()))
-        return self.replace(stmt, "", what, span=(stmt.lineno, 0, *end))
+        return self.replace(stmt, "", what, span=(stmt.lineno, 0, *self.lines_end(stmt.end_lineno)))
 
     def rewrite_call(self, node, func: str, dropped: list, added: str) -> None:
         """The callee becomes `func`, the `dropped` arguments go with their commas and
@@ -711,6 +721,198 @@ def _fed_by_loader(loop, facts: ModuleFacts) -> bool:
                for v in made)
 
 
+# Constructors of learning-rate schedules, which read an optimizer's settings, not its
+# parameters: one made between an optimizer and its model's move does not hold the move up.
+_SCHEDULE = re.compile(r"(?i:sched|warmup)|LR$|Plateau$")
+_ORDER_FIX = ("create the optimizer after model.to(device): on XLA .to() makes new parameters, "
+              "and this optimizer would keep the old ones (the run refuses to step it)")
+
+
+@dataclass
+class _Made:
+    """An optimizer made from a model's parameters before the model's move."""
+
+    name: str  # what it is bound to: `opt`, `self.optimizer`
+    line: int  # its assignment's line
+    stmt: ast.stmt  # the statement of the block that makes it (the assignment, or an `if` ...)
+    block: list  # that block
+    owners: set  # the models (`model`, `self.net`) whose move is still to come
+    earlier: bool = False  # made in an earlier notebook cell
+    cell: int = 0  # that cell, once _port_notebook has numbered it
+
+
+@dataclass
+class _Unmoved:
+    """What the scan of one block knows so far: the optimizers made before their model's
+    move, and the models moved. A notebook's top level carries it from cell to cell."""
+
+    made: dict = field(default_factory=dict)  # optimizer name -> _Made
+    on_device: set = field(default_factory=set)  # the models moved, by name
+
+
+def _covers(outer: str, inner: str) -> bool:
+    """Whether the object named `outer` holds the one named `inner` ('m' holds 'm.fc')."""
+    return inner == outer or inner.startswith(outer + ".")
+
+
+def _overlap(a: str, b: str) -> bool:
+    return _covers(a, b) or _covers(b, a)
+
+
+class _MovesFirst:
+    """`opt = Adam(model.parameters()); model.to(device)` trains on CUDA, where .to() keeps
+    the Parameter objects, and trains nothing on XLA, where .to() makes new ones and the
+    optimizer keeps the old CPU tensors, which no gradient reaches. Where the two are in
+    one block, the move is a statement of its own and nothing between them depends on
+    their order, the move goes up, before the optimizer (not the optimizer down: a
+    scheduler made right after it reads it); anywhere else the pair is listed."""
+
+    def __init__(self, edits: _Edits, notes: "_Notes", facts: ModuleFacts, top: _Unmoved):
+        self.edits, self.notes, self.facts, self.top = edits, notes, facts, top
+        self.inserts: dict = {}  # line -> the moved statements' text, to go before it
+
+    def port(self) -> None:
+        for made in self.top.made.values():  # left by earlier cells
+            made.earlier = True
+        for block in _blocks(self.facts.tree):
+            self._scan(block, self.top if block is self.facts.tree.body else _Unmoved())
+        for line, texts in self.inserts.items():  # one edit a place: their order is kept
+            self.edits.edits.append((line, 0, line, 0, "".join(texts)))
+
+    def _scan(self, block, state: _Unmoved) -> None:
+        top = not any(isinstance(p, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                      for p, _ in self.facts.ancestors(block[0]))
+        for i, stmt in enumerate(block):
+            moves = [n for n in run_nodes(stmt) if self._moves(n, top)]
+            moved = {dotted(c.func.value) for c in moves} - {""}
+            hit = [m for m in state.made.values()
+                   if any(_overlap(o, r) for o in m.owners for r in moved)]
+            if hit:
+                self._fix(block, i, hit, moves, top)
+            for m in hit:
+                m.owners = {o for o in m.owners if not any(_covers(r, o) for r in moved)}
+                if not m.owners:
+                    del state.made[m.name]
+            state.on_device |= moved
+            self._rebound(stmt, state, top)
+            for target, assign in _optimizers_made(stmt):
+                owners = {o for o in parameter_owners(assign.value)
+                          if not any(_covers(d, o) for d in state.on_device)}
+                if owners:
+                    state.made[target] = _Made(target, assign.lineno, stmt, block, owners)
+
+    def _moves(self, node, top: bool) -> bool:
+        # at the top level port keeps `.cuda()` and `.to("cuda")` on the CPU (_to_device)
+        return moves_to_device(node) and not (top and _moves_to_cuda(node))
+
+    def _rebound(self, stmt, state: _Unmoved, top: bool) -> None:
+        """Names `stmt` binds: a model bound to a new object (not one wrapping the old, as
+        DataParallel(model)) is another model; `m = Net().to(dev)` is one on the device."""
+        value = getattr(stmt, "value", None)
+        reads = chains(stmt)
+        for name in {dotted(n) for n in run_nodes(stmt) if isinstance(n, (ast.Name, ast.Attribute))
+                     and isinstance(n.ctx, (ast.Store, ast.Del))} - {""}:
+            state.made.pop(name, None)
+            if isinstance(stmt, ast.Assign) and self._moves(value, top):
+                state.on_device.add(name)
+            elif not any(_overlap(name, r) for r in reads):
+                state.on_device = {d for d in state.on_device if not _covers(name, d)}
+                for m in list(state.made.values()):
+                    m.owners = {o for o in m.owners if not _covers(name, o)}
+                    if not m.owners:
+                        del state.made[m.name]
+
+    def _fix(self, block, i, hit, moves, top: bool) -> None:
+        why = self._unsafe(block, i, hit, top)
+        if why is None:
+            self._move_up(block, i, hit)
+            return
+        for m in hit:
+            code = next(self.edits.source(c) for c in moves
+                        if any(_overlap(dotted(c.func.value), o) for o in m.owners))
+            if m.earlier:
+                where = f" (line {m.line}: cell {m.cell})" if m.cell else ""
+                self.notes.add(block[i].lineno, f"`{code}` moves a model after `{m.name}` was "
+                               f"made from its parameters in an earlier cell{where}: {_ORDER_FIX}")
+            else:
+                self.notes.add(m.line, f"`{m.name}` is made before `{code}` moves its model "
+                               f"({why}, so port kept the order): {_ORDER_FIX}")
+
+    def _unsafe(self, block, i, hit, top: bool) -> Optional[str]:
+        """Why moving block[i] up before the optimizers `hit` could change what the
+        script does; None where it cannot."""
+        stmt = block[i]
+        # the move, or an optimizer, under an `if` or in a loop: not the same block
+        if hasattr(stmt, "body") or any(m.earlier or m.block is not block
+                                        or not isinstance(m.stmt, ast.Assign) for m in hit):
+            return "they are in different blocks"
+        model = self._plain_move(stmt, top)
+        if not model or any(_overlap(o, model) and not _covers(model, o)  # moves only a part
+                            for m in hit for o in m.owners):
+            return "that statement does more than move the model"
+        first = min(block.index(m.stmt) for m in hit)
+        if not (self.edits.owns_lines(stmt) and self.edits.owns_lines(block[first])):
+            return "they share lines with other statements"
+        needs = {r for r in chains(stmt) if not _overlap(r, model)}  # the device, say
+        between = [s for s in block[first + 1:i] if not any(s is m.stmt for m in hit)]
+        s = next((s for s in between if _depends(s, model, {m.name for m in hit}, needs)), None)
+        return s and f"`{self.edits.lines[s.lineno - 1].strip()}` between them depends on it"
+
+    def _plain_move(self, stmt, top: bool) -> str:
+        """The model a statement only moves (`model.to(dev)`, `model = model.cuda()`), or ''."""
+        call = stmt.value if isinstance(stmt, (ast.Expr, ast.Assign)) else None
+        model = dotted(call.func.value) if self._moves(call, top) else ""
+        if isinstance(stmt, ast.Assign) and [dotted(t) for t in stmt.targets] != [model]:
+            return ""
+        return model
+
+    def _move_up(self, block, i, hit) -> None:
+        """Take block[i]'s lines (with the comments right above it, and port's own edits in
+        them) to just before the first of the optimizers (and the comments above it)."""
+        stmt, first = block[i], min(block.index(m.stmt) for m in hit)
+        lo = self._comments_above(stmt, block[i - 1].end_lineno + 1)
+        inner = [e for e in self.edits.edits if e[0] >= lo and e[2] <= stmt.end_lineno]
+        for e in inner:
+            self.edits.edits.remove(e)
+        text = _apply("".join(self.edits.lines[lo - 1:stmt.end_lineno]),
+                      [(a - lo + 1, b, c - lo + 1, d, new) for a, b, c, d, new in inner])
+        self.edits.edits.append((lo, 0, *self.edits.lines_end(stmt.end_lineno), ""))
+        at = self._comments_above(block[first], block[first - 1].end_lineno + 1 if first else 1)
+        self.inserts.setdefault(at, []).append(text if text.endswith("\n") else text + "\n")
+        names = " and ".join(sorted(f"`{m.name}`" for m in hit))
+        code = " ".join(self.edits.source(stmt).split())  # on one line
+        self.edits.swaps.append((stmt.lineno, f"`{code}` moved up, before "
+                                 f"{names} is made: on XLA .to() makes new parameters, and an "
+                                 f"optimizer made before it would train nothing"))
+
+    def _comments_above(self, stmt, floor: int) -> int:
+        """The first of the comment lines right above `stmt` (not above line `floor`)."""
+        at = stmt.lineno
+        while at - 1 >= floor and self.edits.lines[at - 2].strip().startswith("#"):
+            at -= 1
+        return at
+
+
+def _optimizers_made(stmt) -> List[Tuple[str, ast.Assign]]:
+    """(name, assignment) of each optimizer that `stmt` makes from parameters (not in the
+    functions it defines): `opt = torch.optim.Adam(model.parameters())`."""
+    return [(dotted(t), n) for n in run_nodes(stmt) if isinstance(n, ast.Assign)
+            and isinstance(n.value, ast.Call) and OPTIMIZER.search(dotted(n.value.func))
+            for t in n.targets if dotted(t)]
+
+
+def _depends(stmt, model: str, optimizers: set, needs: set) -> bool:
+    """Whether `stmt`, between optimizers and their model's move, would do otherwise with
+    the move above it: it uses the model, binds what the move reads (the device), or uses
+    an optimizer (other than a schedule made from it)."""
+    touched = chains(stmt) | chains(stmt, store=True)
+    schedule = isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call) and \
+        _SCHEDULE.search(dotted(stmt.value.func)) is not None
+    return any(_overlap(t, model) for t in touched) or \
+        any(_overlap(b, r) for b in chains(stmt, store=True) for r in needs) or \
+        not schedule and any(_overlap(t, n) for t in touched for n in optimizers)
+
+
 class _Notes:
     """What needs a person, by line: the advisories, and the checks of the script's
     structure (training at the top level, results indexed by batch size)."""
@@ -972,15 +1174,19 @@ def _port_notebook(original: str) -> PortResult:
     first_code = None
     optimizers: set = set()  # an optimizer made in one cell is stepped in another
     train_fns: set = set()  # a training function defined in one cell is called in another
+    # an optimizer made in one cell, its model moved in another: listed, never moved
+    unmoved = _Unmoved()
     for n, cell in enumerate(notebook.get("cells", []), 1):
         if cell.get("cell_type") != "code":
             continue
         source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
-        result = port_source(source, optimizers, train_fns)
+        result = port_source(source, optimizers, train_fns, unmoved=unmoved)
         first_code = n if first_code is None else first_code
         cell["source"] = result.text.splitlines(keepends=True)
         out.swaps += [(line, f"cell {n}: {what}") for line, what in result.swaps]
         out.todo += [(line, f"cell {n}: {what}") for line, what in result.todo]
+        for made in unmoved.made.values():
+            made.cell = made.cell or n
     if out.swaps and first_code is not None:
         cell = notebook["cells"][first_code - 1]
         magics = 0  # a cell magic (%%time, %%capture) must stay the cell's first line

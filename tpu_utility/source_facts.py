@@ -1,4 +1,5 @@
-"""What a Python module's source says: its loops, backward loops, functions, optimizer names.
+"""What a Python module's source says: its loops, backward loops, functions, optimizer names,
+the models an optimizer takes the parameters of and the calls that move a model.
 
 `port` (which rewrites a CUDA script) and `report()` (which names the lines behind its
 hints) both ask these questions of the same scripts. Answering them here, once per parse,
@@ -22,6 +23,8 @@ HOST_READS = ("cpu", "numpy", "tolist")  # methods that copy a tensor to the hos
 # scheduler's): torch.optim's, and the usual third-party ones.
 OPTIMIZER = re.compile(r"(^|\.)optim\.\w+$|(^|\.)(SGD|Adam\w*|RMSprop|Adagrad|Adadelta|Adamax|"
                        r"NAdam|RAdam|LBFGS|Lion|LAMB|Lamb|Adafactor)$")
+# `.to()` of one of these converts a module's parameters in place; it moves nothing
+_DTYPE = re.compile(r"torch\.(b?float\d*|half|double|u?int\d*|long|short|bool|complex\d*)")
 
 
 @dataclass
@@ -113,6 +116,68 @@ def _assignments(tree, facts: ModuleFacts) -> None:
             facts.assigned_to[id(node.value)] = node.targets[0].id
         if isinstance(node.value, ast.Call) and OPTIMIZER.search(dotted(node.value.func)):
             facts.optimizers.update(t.id for t in node.targets if isinstance(t, ast.Name))
+
+
+def moves_to_device(call) -> bool:
+    """Whether a call moves what it is called on to a device: `m.cuda()`, `m.to(device)`,
+    `m.to(device=d)`; not a conversion (`m.to(torch.float16)`) nor `m.to("cpu")`.
+
+    Example:
+        >>> [moves_to_device(ast.parse(c).body[0].value) for c in ("m.to(dev)", "m.cuda(0)",
+        ...  "m.to(torch.bfloat16)", "m.to(dtype=torch.half)", "m.to('cpu')")]
+        [True, True, False, False, False]
+    """
+    if not isinstance(call, ast.Call) or method(call) not in ("cuda", "to"):
+        return False
+    if method(call) == "cuda":
+        return True
+    target = call.args[0] if call.args else next(
+        (k.value for k in call.keywords if k.arg == "device"), None)
+    return target is not None and not _DTYPE.fullmatch(dotted(target)) and \
+        not (isinstance(target, ast.Constant) and target.value == "cpu")
+
+
+def parameter_owners(call: ast.Call) -> Set[str]:
+    """The objects whose parameters a call takes (an optimizer's construction), by name.
+
+    Example:
+        >>> sorted(parameter_owners(ast.parse(
+        ...     "Adam([{'params': net.body.parameters()}, {'params': self.head.parameters()}])").body[0].value))
+        ['net.body', 'self.head']
+    """
+    return {dotted(n.func.value) for n in ast.walk(call) if isinstance(n, ast.Call)
+            and method(n) in ("parameters", "named_parameters") and dotted(n.func.value)}
+
+
+def chains(node, store: bool = False) -> Set[str]:
+    """The names and attribute chains that `node` reads (with `store`: binds), each whole:
+    `self.model.to(dev)` reads `self.model.to` and `dev`, not `self` on its own.
+
+    Example:
+        >>> sorted(chains(ast.parse("self.net = wrap(self.net.to(dev), x[0].y)")))
+        ['dev', 'self.net.to', 'wrap', 'x']
+    """
+    out: Set[str] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        name = dotted(n) if isinstance(n, (ast.Name, ast.Attribute)) else ""
+        if not name:
+            todo += list(ast.iter_child_nodes(n))
+        elif isinstance(n.ctx, (ast.Store, ast.Del)) == store:
+            out.add(name)
+    return out
+
+
+def run_nodes(stmt) -> Iterator[ast.AST]:
+    """The nodes of `stmt` that run when it runs: not the bodies of the functions and
+    lambdas defined in it."""
+    todo = [stmt]
+    while todo:
+        node = todo.pop()
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            todo += list(ast.iter_child_nodes(node))
 
 
 def costly_calls(source: str) -> List[Tuple[str, int, str]]:
