@@ -42,6 +42,11 @@ def test_automatic_choice(info, cores, name):
     (host(), 0, "distributed", "cores must be >= 1"),
     (host(), 8, "threads", "engine must be one of"),
     (host(), 2.0, None, "cores must be an int"),
+    (host(xla=None), 0, None, r"cores must be 1 on this host \(no torch_xla, no GPU"),
+    (host(xla=None), -1, None, "cores must be 1 on this host"),
+    (host(xla=None, gpus=1), 0, None, r"cores must be 1 on this host \(no torch_xla, one CUDA GPU"),
+    (host(xla=None, gpus=2), -2, None, "cores must be 1 or 2"),
+    (host(), -8, None, "cores must be 1 or 8"),
 ])
 def test_refusals_name_the_fix(info, cores, engine, message):
     with pytest.raises(ValueError, match=message):

@@ -19,7 +19,10 @@ LR_FIND_SCRIPT = """
         before_opt = opt.state_dict()
         before_opt = {"state": {i: {k: v.cpu().clone() for k, v in s.items()} for i, s in before_opt["state"].items()},
                       "groups": [{k: v for k, v in g.items() if k != "params"} for g in before_opt["param_groups"]]}
+        import torch_xla.debug.metrics as met
+        items = met.counter_value("aten::_local_scalar_dense") or 0
         res = tu.lr_find(model, loader, opt, F.cross_entropy, num_it=num_it, check_every=check_every)
+        items = (met.counter_value("aten::_local_scalar_dense") or 0) - items
         after_opt = opt.state_dict()
         same_model = all(torch.equal(before_model[k], v.cpu()) for k, v in model.state_dict().items())
         same_opt = (all(torch.equal(before_opt["state"][i][k], v.cpu())
@@ -28,7 +31,7 @@ LR_FIND_SCRIPT = """
                                                  for g in after_opt["param_groups"]])
         return {"same_model": same_model, "same_opt": same_opt, "n": len(res.lrs),
                 "suggestions": res.suggestions, "compiles": res.compiles, "transfers": res.transfers,
-                "early": res.stopped_early, "png": len(res.png)}
+                "early": res.stopped_early, "png": len(res.png), "items": items}
 
     if __name__ == "__main__":
         out = {"short": tu.run(sweep, cores=1, args=(40,), start_method="fork"),
@@ -45,6 +48,7 @@ def test_lr_find_restores_state_and_keeps_to_its_budgets(run_script):
         assert out["same_model"] and out["same_opt"], name
         assert out["transfers"] <= 1 + math.ceil(num_it / k), (name, out)
         assert out["png"] > 1000 and out["suggestions"]["valley"] > 0
+        assert out["items"] == 0  # its reads are batched transfers, not .item() (a CPU fallback)
     assert r["short"]["compiles"] == r["long"]["compiles"]  # compiles do not grow with num_it
 
 

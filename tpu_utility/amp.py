@@ -18,21 +18,53 @@ from typing import Any, ContextManager, Dict, Optional
 from .engines import current
 
 
-def autocast(enabled: bool = True) -> ContextManager:
-    """The swap for `torch.cuda.amp.autocast()` (or `torch.autocast("cuda")`).
+def autocast(enabled: bool = True) -> "Autocast":
+    """The swap for `torch.cuda.amp.autocast()` (or `torch.autocast("cuda")`), as a
+    context manager or as a decorator.
 
     bf16 on XLA and TorchTPU (TPUs have no fast fp16), fp16 on CUDA, and nothing on a
-    CPU, where the CUDA script's autocast did nothing either.
+    CPU, where the CUDA script's autocast did nothing either. The device is looked up
+    each time the block is entered, not when `autocast()` is called: `@tu.autocast()` on
+    a model's `forward` runs at import, outside `run`, where asking for the device would
+    start the XLA runtime in the caller (and a later `run(cores=8)` would refuse).
+
+    Args:
+        enabled: False runs the block at full precision, as torch's `enabled=False`.
 
     Example:
         >>> import torch, tpu_utility as tu
         >>> with tu.autocast():
         ...     y = torch.nn.Linear(4, 4).to(tu.get_device())(torch.ones(2, 4, device=tu.get_device()))
+        >>> @tu.autocast()  # at import: no device asked for yet
+        ... def forward(model, x):
+        ...     return model(x)
     """
-    device = current().device()
-    if not enabled or device.type == "cpu":
-        return contextlib.nullcontext()
-    return autocast_context("fp16" if device.type == "cuda" else "bf16", device)
+    return Autocast(enabled)
+
+
+class Autocast(contextlib.ContextDecorator):
+    """What `autocast()` returns: the precision of the calling replica's device, chosen
+    on entry."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self._entered: list = []  # a stack: one instance may be entered again inside itself
+
+    def __enter__(self) -> None:
+        device = current().device()
+        if not self.enabled or device.type == "cpu":
+            context: ContextManager = contextlib.nullcontext()
+        else:
+            context = autocast_context("fp16" if device.type == "cuda" else "bf16", device)
+        context.__enter__()
+        self._entered.append(context)
+
+    def __exit__(self, *exc) -> Optional[bool]:
+        return self._entered.pop().__exit__(*exc)
+
+    def _recreate_cm(self) -> "Autocast":
+        # as a decorator, a fresh one per call: replica threads may call it at once
+        return Autocast(self.enabled)
 
 
 def autocast_context(precision: str, device) -> ContextManager:
@@ -80,7 +112,8 @@ class NoScaler:
         pass
 
     def step(self, optimizer, *args: Any, **kwargs: Any):
-        return current().optimizer_step(optimizer, **kwargs)
+        # as torch's: the arguments go to optimizer.step (a closure, for LBFGS)
+        return current().optimizer_step(optimizer, *args, **kwargs)
 
     def update(self, new_scale: Optional[float] = None) -> None:
         pass

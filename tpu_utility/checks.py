@@ -1,7 +1,8 @@
 """Argument checks shared by every public function, so a refusal reads the same anywhere."""
 from __future__ import annotations
 
-from typing import Any, Optional
+import math
+from typing import Any, Iterable, Optional
 
 
 def check_int(value: Any, name: str, *, low: int = 1, high: Optional[int] = None,
@@ -27,3 +28,50 @@ def check_int(value: Any, name: str, *, low: int = 1, high: Optional[int] = None
         or_none = " or None" if none_ok else ""
         prefix = f"{who}: " if who else ""
         raise ValueError(f"{prefix}{name} must be {bound}{or_none}{why}, got {value!r}")
+
+
+def check_positive(value: Any, name: str, *, who: str = "", why: str = "",
+                   none_ok: bool = False) -> None:
+    """Refuse anything but a finite number > 0 (bools too), naming the argument.
+
+    Example:
+        >>> check_positive(0, "clip", none_ok=True, why=" (0 would zero every gradient)")
+        Traceback (most recent call last):
+        ...
+        ValueError: clip must be a positive number or None (0 would zero every gradient), got 0
+    """
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value <= 0:
+        or_none = " or None" if none_ok else ""
+        prefix = f"{who}: " if who else ""
+        raise ValueError(f"{prefix}{name} must be a positive number{or_none}{why}, got {value!r}")
+
+
+def check_optimizer_device(params: Iterable[Any], device: Any, who: str = "", *,
+                           gradless_only: bool = False) -> None:
+    """Refuse an optimizer (its parameters) that is not on `device`, the device its
+    model trains on: on XLA `model.to(device)` makes new Parameter objects, so an
+    optimizer made before the move holds the old CPU ones and would train nothing (on
+    CUDA the move keeps them, which is why CUDA scripts get away with that order).
+
+    `gradless_only` (after a backward): only parameters without a gradient count, so a
+    model trained on the CPU on purpose, whose parameters have gradients there, passes.
+
+    Example:
+        >>> import torch
+        >>> check_optimizer_device([torch.zeros(1)], torch.device("xla", 0), "optimizer_step")
+        Traceback (most recent call last):
+        ...
+        ValueError: optimizer_step: the optimizer holds parameters on cpu but the model trains on xla:0, so stepping it would train nothing (on XLA, model.to(device) makes new parameters and an optimizer made before the move keeps the old ones): create the optimizer after model.to(device)
+    """
+    stray = next((p for p in params if p.device.type != device.type
+                  and not (gradless_only and p.grad is not None)), None)
+    if stray is not None:
+        prefix = f"{who}: " if who else ""
+        raise ValueError(
+            f"{prefix}the optimizer holds parameters on {stray.device} but the model trains on "
+            f"{device}, so stepping it would train nothing (on XLA, model.to(device) makes new "
+            f"parameters and an optimizer made before the move keeps the old ones): create the "
+            f"optimizer after model.to(device)")

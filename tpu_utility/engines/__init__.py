@@ -51,8 +51,8 @@ def choose(cores: int, info: "TpuInfo", name: Optional[str] = None) -> Type[Engi
         cls = next((c for c in REGISTRY.values() if c.automatic(info, cores)), None)
         if cls is None:
             raise ValueError(cores_error(info, cores))
-    why = cls.supports(info, cores)
-    if why:
+    why = cls.supports(info, cores) or (cores_error(info, cores) if cores < 1 else None)
+    if why:  # cores < 1: refused on every host, even by engines that would run any int
         raise ValueError(why)
     return cls
 

@@ -6,6 +6,7 @@ from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List
                     Sequence, Tuple)
 
 from .._tree import map_tensors
+from ..checks import check_optimizer_device
 
 if TYPE_CHECKING:
     import torch
@@ -166,7 +167,7 @@ class Engine:
             if self.replicas > 1:
                 self._first_step(opt)
                 closure = self._averaging(opt, closure)
-            out = opt.step(self._cut_after(closure), **step_kwargs)
+            out = opt.step(self._cut_after(closure, opt), **step_kwargs)
         self.beat()
         return out
 
@@ -175,8 +176,10 @@ class Engine:
 
         Before an optimizer's first step the master's values of its parameters are
         broadcast, so replicas that drew different initial weights (threads sharing one
-        RNG, a seed per rank) train one model from then on.
+        RNG, a seed per rank) train one model from then on. Before that, once per optimizer,
+        its parameters must be on this replica's device (`checks.check_optimizer_device`).
         """
+        self._check_device(opt)
         if self.replicas > 1:
             self._first_step(opt)
             self._average_grads_of(_params(opt))
@@ -184,8 +187,10 @@ class Engine:
     def average_gradients(self, params: Iterable["torch.Tensor"]) -> None:
         """`.grad` of `params` averaged over replicas, for an update written by hand; the
         first time a tensor comes by, every replica takes the master's value of it."""
+        params = list(params)
+        if self.device().type != "cpu":  # checked each call: `params` is new each time
+            check_optimizer_device(params, self.device(), gradless_only=True)
         if self.replicas > 1:
-            params = list(params)
             self._make_identical(params)
             self._average_grads_of(params)
 
@@ -213,6 +218,17 @@ class Engine:
                 from .. import rng
                 rng.offset_by_rank(self.rank, self, host=self.owns_host_rng)
 
+    def _check_device(self, opt) -> None:
+        """Once per optimizer, after a backward and before its first step: refuse one
+        whose parameters are elsewhere than this device and got no gradient (it was made
+        before `model.to(device)`); parameters with gradients elsewhere are trained there
+        on purpose."""
+        checked = self._synced()[2]
+        if opt not in checked:
+            if self.device().type != "cpu":
+                check_optimizer_device(_params(opt), self.device(), gradless_only=True)
+            checked.add(opt)
+
     def _first_step(self, opt) -> None:
         """Before `opt`'s first step: its parameters made the master's on every replica."""
         opts = self._synced()[0]
@@ -232,11 +248,13 @@ class Engine:
         if grads:
             self._average_gradients(grads)
 
-    def _cut_after(self, closure: Callable) -> Callable:
+    def _cut_after(self, closure: Callable, opt) -> Callable:
         """`closure` followed by the step's cut: LBFGS evaluates it several times a step and
-        reads each loss; uncut, each read runs a graph that holds every evaluation so far."""
+        reads each loss; uncut, each read runs a graph that holds every evaluation so far.
+        The first call's backward is what `_check_device` needs."""
         def cut():
             loss = closure()
+            self._check_device(opt)
             self.sync()
             return loss
         return cut
@@ -257,12 +275,13 @@ class Engine:
         return averaged
 
     def _synced(self):
-        """(optimizers, {id: tensor}) already made identical on every replica. Weak, so a
-        model built later at a freed address is synced again; keyed by id because a
-        tensor's == is elementwise."""
+        """(optimizers, {id: tensor}) already made identical on every replica, and the
+        optimizers whose device was checked. Weak, so a model built later at a freed
+        address is synced again; keyed by id because a tensor's == is elementwise."""
         if "_synced_state" not in self.__dict__:
             import weakref
-            self._synced_state = (weakref.WeakSet(), weakref.WeakValueDictionary())
+            self._synced_state = (weakref.WeakSet(), weakref.WeakValueDictionary(),
+                                  weakref.WeakSet())
         return self._synced_state
 
     def __repr__(self) -> str:
@@ -293,5 +312,8 @@ def cores_error(info: "TpuInfo", cores: int) -> str:
         where = (f"TPU {info.accelerator}" if info.has_tpu
                  else "XLA:CPU (set CPU_NUM_DEVICES to change)")
         return f"cores must be 1 or {info.num_devices} on this host ({where}), got {cores!r}"
+    if info.cuda_devices < 2:
+        one = "one CUDA GPU" if info.cuda_devices == 1 else "no GPU"
+        return f"cores must be 1 on this host (no torch_xla, {one}: one device), got {cores!r}"
     return (f"cores must be 1 or {info.cuda_devices} on this host ({info.cuda_devices} CUDA "
             f"GPUs, no torch_xla: one process per GPU), got {cores!r}")

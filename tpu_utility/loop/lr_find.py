@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 from ..amp import autocast_context
-from ..checks import check_int
+from ..checks import check_int, check_optimizer_device
 from ..compat import xla_counts
 from ..devices import get_device, is_master, optimizer_step, sync, to_cpu
 from ..engines import current
@@ -99,6 +99,10 @@ def lr_find(model, train_loader, opt, loss_fn: Callable, start_lr: float = 1e-7,
     s = _check(start_lr, end_lr, num_it, check_every, suggest,
                dict(stop_div=stop_div, beta=beta, batch_fn=batch_fn, precision=precision))
     loader = as_loader(train_loader, train=True, name="train_loader")
+    first = next(iter(model.parameters()), None)
+    if first is not None:  # a model on the device needs its optimizer there too
+        check_optimizer_device((p for g in opt.param_groups for p in g["params"]), first.device,
+                               "lr_find")
     if is_master():
         check_writable(plot, "plot")  # before the sweep, not after it
     if must_isolate():
@@ -217,7 +221,7 @@ class _Sweeper:
             engine.after_step(self._check, self.diverged)
 
     def _check(self, flag) -> None:
-        self.stop = bool(flag.item())
+        self.stop = bool(flag.cpu())  # not .item(): torch_xla lists that as a CPU fallback
 
 
 def _result(losses: List[float], s: _Sweep, compiles: int, transfers: int) -> LRFindResult:

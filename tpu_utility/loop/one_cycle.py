@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..amp import autocast_context
 from ..checkpoint import save_or_warn
-from ..checks import check_int
+from ..checks import check_int, check_optimizer_device, check_positive
 from ..compat import xla_counts
 from ..devices import is_master, optimizer_step
 from ..engines import current
@@ -128,6 +128,8 @@ class _Options:
         check_int(a["epochs"], "epochs")
         check_int(a["grad_accum"], "grad_accum")
         check_int(a["log_every"], "log_every", none_ok=True)
+        check_positive(a["clip"], "clip", none_ok=True,
+                       why=" (the gradients' largest global norm; None: no clipping)")
         if a["checkpoint_every"] is not None and a["checkpoint"] is None:
             raise ValueError(f"checkpoint_every needs checkpoint=path, got checkpoint_every="
                              f"{a['checkpoint_every']!r}, checkpoint=None")
@@ -186,6 +188,8 @@ class _Run:
                 "its deterministic part")
         engine = current()
         check_model_device(model, engine.device(), "train_one_cycle")
+        check_optimizer_device((p for g in opt.param_groups for p in g["params"]), engine.device(),
+                               "train_one_cycle")
         autocast = autocast_context(o.precision, engine.device())
         if is_master():  # the one that writes; now, not after the first epoch's work
             for path, name in ((o.save_best, "save_best"), (o.plot, "plot"), (o.checkpoint, "checkpoint")):
