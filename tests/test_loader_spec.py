@@ -138,18 +138,7 @@ XLA_SCRIPT = """
     import json, math, warnings, torch, torch.nn as nn, torch.nn.functional as F
     import tpu_utility as tu
 
-    class Unreadable(torch.utils.data.Dataset):
-        draws_no_randomness = True  # rows only: no DataLoader workers, no seeding
-        def __init__(self, n, bad=None):
-            self.x = torch.randn(n, 4, generator=torch.Generator().manual_seed(0))
-            self.y = (self.x.sum(1) > 0).long()
-            self.bad = bad
-        def __len__(self):
-            return len(self.x)
-        def __getitem__(self, i):
-            if i == self.bad:
-                raise OSError(f"cannot read sample {i}")
-            return self.x[i], self.y[i]
+    from test_loader_spec import Unreadable  # tests/ is on the script's path
 
     def fit():
         torch.manual_seed(0)

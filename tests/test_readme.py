@@ -1,4 +1,5 @@
-"""The README's module map ("Where things are") names every module of the package."""
+"""The README as a newcomer reads it: its module map ("Where things are") names every module
+of the package, and its quick start runs as written."""
 import re
 from pathlib import Path
 
@@ -33,3 +34,18 @@ def test_the_module_map_names_every_module():
     assert missing == [], f"README.md's module map has no row for {missing}"
     for name in named:  # and names nothing that is gone
         assert (PACKAGE / name.rstrip("/")).exists(), name
+
+
+def test_the_quick_start_runs_as_written(run_script):
+    """The README's quick start, copied from the README as a user copies it, run as a
+    script (spawned replicas on 8 virtual devices): it trains, and says nothing amiss."""
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("## Quick start")
+    code = readme[readme.index("```python\n", start) + len("```python\n"):]
+    code = code[:code.index("```")]
+    proc = run_script(code, timeout=240)
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("valid accuracy per epoch:"))
+    accuracy = [float(x) for x in line.split(":", 1)[1].strip(" []").split(",")]
+    assert len(accuracy) == 3 and accuracy[-1] > 0.95, proc.stdout
+    assert "hint:" not in proc.stdout, proc.stdout  # a healthy run gets no advice
+    assert len(proc.stderr.splitlines()) <= 2, proc.stderr
