@@ -2,6 +2,8 @@
 sequence lr_find -> run(train_fn, cores=8) in one process."""
 import math
 
+import pytest
+
 LR_FIND_SCRIPT = """
     import json, torch, torch.nn.functional as F, torch_xla
     import tpu_utility as tu
@@ -48,6 +50,7 @@ def test_lr_find_restores_state_and_keeps_to_its_budgets(run_script):
         assert out["same_model"] and out["same_opt"], name
         assert out["transfers"] <= 1 + math.ceil(num_it / k), (name, out)
         assert out["png"] > 1000 and out["suggestions"]["valley"] > 0
+        assert out["suggestions"]["one_cycle"] == pytest.approx(out["suggestions"]["minimum"] * 2.5)
         assert out["items"] == 0  # its reads are batched transfers, not .item() (a CPU fallback)
     assert r["short"]["compiles"] == r["long"]["compiles"]  # compiles do not grow with num_it
 
@@ -71,13 +74,13 @@ NOTEBOOK_SCRIPT = """
     out = tu.run(tpu_train.train_fn, cores=8, start_method="fork")
     ref = reference_train(global_batch=64 * 8)
     import os
-    print("RESULT", json.dumps({"valley": res.suggestion, "untouched": untouched, "started": started,
+    print("RESULT", json.dumps({"default": res.suggestion, "one_cycle": res.suggestions["one_cycle"], "untouched": untouched, "started": started,
         "diff": max_param_diff(out["state"], ref["state"]), "png": os.path.getsize("lr_find.png")}))
 """
 
 
 def test_lr_find_then_eight_core_training_in_one_process(run_script):
     r = run_script(NOTEBOOK_SCRIPT).result
-    assert r["valley"] > 0 and r["png"] > 1000
+    assert r["default"] == r["one_cycle"] > 0 and r["png"] > 1000
     assert r["untouched"] and not r["started"]  # the kernel never held the XLA runtime
     assert r["diff"] < 1e-5  # and the 8-core run that follows is exact

@@ -3,8 +3,8 @@ import math
 
 import pytest
 
-from tpu_utility.loop.suggest import (divergence_end, minimum, slide, smooth_losses, steep,
-                                   suggestions, valley)
+from tpu_utility.loop.suggest import (divergence_end, for_one_cycle, minimum, slide,
+                                      smooth_losses, steep, suggestions, valley)
 from tpu_utility.schedules import no_special_scalar, one_cycle, sched_cos, sched_exp
 
 
@@ -71,9 +71,10 @@ def test_steep_is_the_steepest_drop():
     assert steep(LRS, losses) == LRS[20]
 
 
-def test_minimum_is_a_tenth_of_the_argmin():
+def test_minimum_is_a_tenth_of_the_argmin_and_one_cycle_a_quarter():
     losses = [abs(i - 33) * 0.1 + 1 for i in range(60)]
     assert minimum(LRS, losses) == pytest.approx(LRS[33] / 10)
+    assert for_one_cycle(LRS, losses) == pytest.approx(LRS[33] / 4)
 
 
 def test_slide_stops_where_the_slope_stops_changing():
@@ -85,8 +86,12 @@ def test_slide_stops_where_the_slope_stops_changing():
 
 def test_suggestions_drop_edges_and_report_too_short_curves():
     out = suggestions(LRS, [1.0 - i / 100 for i in range(60)], num_it=60)
-    assert set(out) == {"valley", "steep", "minimum", "slide"}
+    assert set(out) == {"one_cycle", "valley", "steep", "minimum", "slide"}
     # minimum on a falling curve: the last kept point (5 dropped from the end), / 10
     assert out["minimum"] == pytest.approx(LRS[-6] / 10)
+    assert out["one_cycle"] == pytest.approx(LRS[-6] / 4)
+    # the 10% dropped at the start: a lower point there is not the minimum
+    early = [0.0] * 5 + [1.0 - i / 100 for i in range(55)]
+    assert suggestions(LRS, early, num_it=60)["one_cycle"] == pytest.approx(LRS[-6] / 4)
     short = suggestions(LRS[:12], [1.0] * 12, num_it=60)
     assert short["slide"] is None and short["valley"] is None

@@ -1,11 +1,12 @@
-"""lr_find's pure part: fastai's smoothing, the divergence stop and its four suggestions,
-on plain lists (no device, no torch)."""
+"""lr_find's pure part: fastai's smoothing, the divergence stop, the default suggestion
+(`one_cycle`) and fastai's four, on plain lists (no device, no torch)."""
 from __future__ import annotations
 
 import math
 from typing import Dict, List, Optional, Sequence
 
-SUGGESTIONS = ("valley", "steep", "minimum", "slide")
+SUGGESTIONS = ("one_cycle", "valley", "steep", "minimum", "slide")
+DEFAULT = "one_cycle"  # what LRFindResult.suggestion gives; benchmarks/bench_lr_rules.py chose it
 
 
 def smooth_losses(losses: Sequence[float], beta: float = 0.98) -> List[float]:
@@ -37,7 +38,8 @@ def suggestions(lrs: Sequence[float], smooth: Sequence[float], num_it: int,
     lrs, smooth = list(lrs[lo:-5]), list(smooth[lo:-5])
     finite = next((i for i, v in enumerate(smooth) if not math.isfinite(v)), len(smooth))
     lrs, smooth = lrs[:finite], smooth[:finite]
-    funcs = {"valley": valley, "steep": steep, "minimum": minimum, "slide": slide}
+    funcs = {"one_cycle": for_one_cycle, "valley": valley, "steep": steep, "minimum": minimum,
+             "slide": slide}
     out = {}
     for name in names:
         try:
@@ -74,11 +76,31 @@ def steep(lrs, losses) -> float:
     return float(lrs[min(range(len(grads)), key=grads.__getitem__)])
 
 
+def for_one_cycle(lrs, losses) -> float:
+    """A quarter of the lr at the minimum loss: train_one_cycle's max_lr.
+
+    Why a quarter, and why lr_find sweeps 300 steps for it: benchmarks/bench_lr_rules.py
+    (docs/measured.md). On the workloads it was chosen on, the best one-cycle max_lr of
+    a grid sat 2 to 8 times below the lowest point of the smoothed curve; a quarter was
+    within 3 accuracy points (or 5% of the loss) of the grid's best on every one, for
+    any smoothing from 0.96 to 0.99, where a tenth (fastai's `minimum`) and fastai's
+    `valley` trained too low on several. The lowest point needs a sweep that trains a
+    little: at 100 steps the smoothed curve lags by half the sweep and no fixed fraction
+    held on every workload; at 200, a BatchNorm CNN's curve that spiked and recovered put
+    the lowest point past the spike.
+    """
+    return _lowest(lrs, losses) / 4
+
+
 def minimum(lrs, losses) -> float:
     """A tenth of the lr at the minimum loss."""
+    return _lowest(lrs, losses) / 10
+
+
+def _lowest(lrs, losses) -> float:
     if not losses:
         raise ValueError("no points")
-    return float(lrs[min(range(len(losses)), key=losses.__getitem__)]) / 10
+    return float(lrs[min(range(len(losses)), key=losses.__getitem__)])
 
 
 def slide(lrs, losses, lr_diff: int = 15, thresh: float = 0.005, adjust_value: float = 1.0) -> float:
