@@ -130,14 +130,14 @@ def augmentation(mode):
     return tu.aug_transforms(flip_vert=True, pad_mode="border", normalize="imagenet")
 
 
-def train_fn(cache_dir, lr, epochs, batch_size, out, mode):
+def train_fn(cache_dir, lr, epochs, batch_size, out, mode, seed=0):
     train = tu.open_cache(os.path.join(cache_dir, f"train-{mode}"))
     valid = tu.open_cache(os.path.join(cache_dir, "valid"))
-    torch.manual_seed(0)
+    torch.manual_seed(seed)  # the initial weights lr_find swept from
     model = make_model().to(tu.get_device())
     opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=1e-4)
     aug = augmentation(mode)
-    hist = tu.train_one_cycle(model, tu.make_loader(train, batch_size, augment=aug), opt,
+    hist = tu.train_one_cycle(model, tu.make_loader(train, batch_size, augment=aug, seed=seed), opt,
                               F.cross_entropy, epochs,
                               valid_loader=tu.make_loader(valid, batch_size, train=False, augment=aug),
                               metrics=[tu.accuracy], plot=os.path.join(out, "training.png"))
@@ -156,8 +156,10 @@ def main():
     p.add_argument("--data", default=os.path.join(".cache", "demo"))
     p.add_argument("--out", default="demo-output")
     p.add_argument("--min-accuracy", type=float, default=0.9, help="exit 1 below this")
-    p.add_argument("--lr-find-steps", type=int, default=100, help="lr_find's num_it")
-    p.add_argument("--lr", type=float, default=None, help="max lr (default: lr_find's valley)")
+    p.add_argument("--lr-find-steps", type=int, default=None, help="lr_find's num_it (default: its own)")
+    p.add_argument("--lr", type=float, default=None, help="max lr (default: lr_find's suggestion)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="initial weights, and the order and augmentation of the batches")
     p.add_argument("--augment", choices=["device", "copies"], default="device",
                    help="fresh on-device augmentation, or 2 augmented copies frozen in the cache")
     p.add_argument("--data-only", action="store_true",
@@ -192,7 +194,7 @@ def main():
         print(f"data ready in {cache_dir}")
         return
 
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     model = make_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=1e-4)
     # lr_find runs on one core, so give it the global batch that one step on all cores sees:
@@ -200,13 +202,14 @@ def main():
     cores = info.num_devices
     scaled = tu.scale_lr_bs(1e-3, args.batch_size, cores=cores, verbose=False)
     found = tu.lr_find(model, tu.make_loader(tu.open_cache(os.path.join(cache_dir, f"train-{args.augment}")),
-                                             scaled.global_batch_size, augment=augmentation(args.augment)),
-                       opt, F.cross_entropy, num_it=args.lr_find_steps,
+                                             scaled.global_batch_size, augment=augmentation(args.augment),
+                                             seed=args.seed),
+                       opt, F.cross_entropy, **({"num_it": args.lr_find_steps} if args.lr_find_steps else {}),
                        plot=os.path.join(args.out, "lr_find.png"))
-    print(f"lr_find: valley {found.suggestion:.2e} at a batch of {scaled.global_batch_size}")
+    print(f"lr_find: suggests {found.suggestion:.2e} (one_cycle) at a batch of {scaled.global_batch_size}")
     train_start = time.perf_counter()
     out = tu.run(train_fn, cores=cores, args=(cache_dir, args.lr or found.suggestion, args.epochs, args.batch_size,
-                                              args.out, args.augment))
+                                              args.out, args.augment, args.seed))
     train_s = time.perf_counter() - train_start
 
     labels = torch.tensor([int(valid[i][1]) for i in range(len(valid))])
