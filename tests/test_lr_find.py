@@ -84,3 +84,35 @@ def test_lr_find_then_eight_core_training_in_one_process(run_script):
     assert r["default"] == r["one_cycle"] > 0 and r["png"] > 1000
     assert r["untouched"] and not r["started"]  # the kernel never held the XLA runtime
     assert r["diff"] < 1e-5  # and the 8-core run that follows is exact
+
+
+def _sweep_warnings(learnable):
+    """lr_find in this process (engine "torch": no XLA) on inputs that carry the labels or
+    none of them; what it warned."""
+    import warnings
+    import torch
+    import torch.nn.functional as F
+    import tpu_utility as tu
+    g = torch.Generator().manual_seed(0)
+    y = torch.arange(256) % 2
+    x = (torch.randn(256, 4, generator=g) + 2 * y[:, None] - 1) if learnable else torch.zeros(256, 4)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    if not learnable:  # the prior is all there is to learn, and it is already there
+        torch.nn.init.zeros_(model.weight)
+        torch.nn.init.zeros_(model.bias)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = tu.lr_find(model, tu.make_loader(torch.utils.data.TensorDataset(x, y), 16), opt,
+                         F.cross_entropy, num_it=60)
+    return res.fell, [str(w.message) for w in caught if "lr_find" in str(w.message)]
+
+
+def test_a_sweep_that_barely_trains_says_its_suggestion_is_a_guess():
+    import tpu_utility as tu
+    fell, said = tu.run(_sweep_warnings, cores=1, engine="torch", args=(False,))
+    assert fell < 0.05 and len(said) == 1, (fell, said)
+    assert "barely trained" in said[0] and "as a guess" in said[0] and "num_it=120" in said[0]
+    fell, said = tu.run(_sweep_warnings, cores=1, engine="torch", args=(True,))
+    assert fell > 0.2 and said == [], (fell, said)

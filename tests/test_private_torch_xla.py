@@ -13,6 +13,7 @@ Attributes of names imported from elsewhere (`os._exit`, `sys._getframe`) and th
 own private names (`self._x`, its `_helpers`) are not torch_xla's.
 """
 import ast
+import warnings
 import importlib.util
 import textwrap
 from pathlib import Path
@@ -29,7 +30,10 @@ def torch_xla_private_members() -> set:
     spec = importlib.util.find_spec("torch_xla")  # finds it without importing it
     names = set()
     for path in Path(spec.submodule_search_locations[0]).rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(errors="replace"))):
+        with warnings.catch_warnings():  # its sources' own invalid escapes ('\_'): not ours
+            warnings.simplefilter("ignore", SyntaxWarning)
+            tree = ast.parse(path.read_text(errors="replace"))
+        for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
                 names.update(b.name for b in node.body
                               if isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef)) and _private(b.name))

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from tpu_utility.loop.suggest import (divergence_end, for_one_cycle, minimum, slide,
+from tpu_utility.loop.suggest import (divergence_end, fell, for_one_cycle, minimum, slide,
                                       smooth_losses, steep, suggestions, valley)
 from tpu_utility.schedules import no_special_scalar, one_cycle, sched_cos, sched_exp
 
@@ -95,3 +95,10 @@ def test_suggestions_drop_edges_and_report_too_short_curves():
     assert suggestions(LRS, early, num_it=60)["one_cycle"] == pytest.approx(LRS[-6] / 4)
     short = suggestions(LRS[:12], [1.0] * 12, num_it=60)
     assert short["slide"] is None and short["valley"] is None
+
+
+def test_fell_is_the_share_the_curve_fell_past_its_first_tenth():
+    curve = [9.0] * 10 + [2.0 - i / 100 for i in range(50)] + [5.0] * 40  # 100 points
+    assert fell(curve, 100) == pytest.approx((2.0 - 1.51) / 2.0)  # the first 10 points ignored
+    assert fell([1.0] * 30 + [1.2, float("nan")], 30) == 0.0  # flat, then rising: nothing fell
+    assert fell([], 100) == 0.0

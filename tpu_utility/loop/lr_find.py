@@ -26,7 +26,7 @@ from ..plots import plot_lines
 from ..schedules import no_special_scalar, sched_exp
 from .batch import as_loader, train_step
 from .hypers import Hypers
-from .suggest import DEFAULT, SUGGESTIONS, divergence_end, smooth_losses, suggestions
+from .suggest import DEFAULT, FLAT, SUGGESTIONS, divergence_end, fell, smooth_losses, suggestions
 
 MIN_NUM_IT = 30  # 10% and the last 5 points are dropped, and `slide` compares points 15 apart
 
@@ -40,6 +40,7 @@ class LRFindResult:
     raw_losses: List[float]
     suggestions: Dict[str, Optional[float]]
     stopped_early: bool
+    fell: float = 0.0  # the share the smoothed loss fell during the sweep (suggest.fell)
     png: bytes = b""
     compiles: int = 0
     transfers: int = 0
@@ -87,8 +88,10 @@ def lr_find(model, train_loader, opt, loss_fn: Callable, start_lr: float = 1e-7,
     cautious, and a short one-cycle schedule pays for caution. fastai's four stay in
     `result.suggestions`: `valley` (the middle of the longest descent), `steep` (steepest
     slope), `minimum` (a tenth of the lowest point's lr) and `slide` (where the slope
-    flattens, coming back from the end). Model and optimizer come back exactly as they
-    were; inside `run` every replica gets the same result.
+    flattens, coming back from the end). A sweep whose smoothed loss falls less than 5%
+    (`result.fell`: the model barely trained at any lr) warns that its suggestion is a
+    guess. Model and optimizer come back exactly as they were; inside `run` every replica
+    gets the same result.
 
     Args:
         model, train_loader, opt, loss_fn: what train_one_cycle takes; the optimizer is
@@ -135,6 +138,13 @@ def lr_find(model, train_loader, opt, loss_fn: Callable, start_lr: float = 1e-7,
         result = _sweep_moved(model_copy, loader, opt_copy, loss_fn, s)
     else:
         result = _sweep_in_place(model, loader, opt, loss_fn, s)
+    if result.fell < FLAT and is_master():
+        warnings.warn(
+            f"lr_find: the smoothed loss fell only {result.fell:.0%} during the sweep, so the "
+            f"model barely trained at any lr and the curve says little about a good one: treat "
+            f"the suggestion ({_fmt(result.suggestion)}) as a guess, and compare a few max_lr "
+            f"with short runs (or sweep longer, num_it={2 * s.num_it})", RuntimeWarning,
+            stacklevel=2)
     if plot is not None and is_master():
         try:
             result.plot = atomic_write(plot, lambda f: f.write(result.png))
@@ -254,9 +264,14 @@ def _result(losses: List[float], s: _Sweep, compiles: int, transfers: int) -> LR
             f"inputs, the model and the loss function")
     lrs, smooth, losses = lrs[:end], smooth[:end], losses[:end]
     result = LRFindResult(lrs, smooth, losses, suggestions(lrs, smooth, s.num_it, s.suggest),
-                          stopped_early=end < s.num_it, compiles=compiles, transfers=transfers)
+                          stopped_early=end < s.num_it, fell=fell(smooth, s.num_it),
+                          compiles=compiles, transfers=transfers)
     result.png = _plot_png(result)
     return result
+
+
+def _fmt(lr: Optional[float]) -> str:
+    return "none" if lr is None else f"{lr:.2g}"
 
 
 def _plot_png(result: LRFindResult) -> bytes:

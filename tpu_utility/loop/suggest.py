@@ -49,6 +49,25 @@ def suggestions(lrs: Sequence[float], smooth: Sequence[float], num_it: int,
     return out
 
 
+FLAT = 0.05  # a sweep whose smoothed loss fell less than this share barely trained
+
+
+def fell(smooth: Sequence[float], num_it: int) -> float:
+    """The share by which the smoothed loss fell during the sweep: from its first point
+    the suggestions look at (past the first 10%) to its lowest (0 for an empty curve).
+
+    Under `FLAT` the model barely trained at any lr of the sweep, so the curve holds no
+    sign of a good lr, only of the lr that blows it up. On the benchmark, the sweeps that
+    fell more than 10% were the ones where `one_cycle` could tell; those under 5% (a
+    transformer that learns its task only after hundreds of steps, CNNs under SGD) gave
+    suggestions that were right or wrong by chance.
+    """
+    body = [v for v in smooth[num_it // 10:] if math.isfinite(v)]
+    if not body or body[0] <= 0:
+        return 0.0
+    return max(0.0, (body[0] - min(body)) / body[0])
+
+
 def valley(lrs, losses) -> float:
     """The lr a third plus a sixth of the way into the longest descending run of the curve."""
     n = len(losses)
