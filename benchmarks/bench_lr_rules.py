@@ -3,24 +3,29 @@
 What it measures
 ----------------
 For each workload of benchmarks/lr_workloads.py (plain torch: data, model, optimizer,
-loss, metric, epochs, per-core batch), and each seed:
+loss, metric, epochs, per-core batch) and of the demo, and each seed:
 
-1. `tu.lr_find` with its defaults (1e-7 to 10 over 100 steps) on the workload's training
-   loader, from the seed's initial weights: every rule's suggestion (fastai's `valley`,
-   `steep`, `minimum`, `slide`, and whatever else lr_find offers).
-2. `tu.train_one_cycle(max_lr=lr)` with its defaults, from the same initial weights, for
-   every lr of the grid (1e-4 to 1 in half decades) and for every rule's suggestion; the
-   final epoch's validation metric (accuracy, or the validation loss for regressions).
+1. `tu.lr_find` with its defaults (1e-7 to 10 over 300 steps) on the workload's training
+   loader, from the seed's initial weights: every rule's suggestion (`one_cycle`, the
+   default, and fastai's `valley`, `steep`, `minimum`, `slide`).
+2. `tu.train_one_cycle(max_lr=lr)` with its defaults, from the same initial weights and
+   loader seed, for every lr of the grid (1e-4 to 1 in quarter decades; the demo, whose
+   training takes minutes here, 1e-3 to 0.32 and one seed) and for every rule's
+   suggestion; the final epoch's validation metric (accuracy, or the validation loss for
+   the regressions).
 
-A rule's score is the mean over seeds of the metric at its suggestion; the grid's best is
-the best of the grid's means. The goal for lr_find's default: within 3 accuracy points
-(or 5% of the loss) of the grid's best on every workload. `DEVELOP` workloads are those
-the default was designed on; `HELD_OUT` were run only once it was chosen.
+A rule's score is the mean over seeds of the metric at its suggestions (the lr shown is
+their geometric mean); the grid's best is the best of the grid's means. The goal for
+lr_find's default: within 3 accuracy points (or 5% of the loss) of the grid's best on
+every workload (✗ marks a miss). `DEVELOP` workloads (and the demo) are those the
+default was chosen on; `HELD_OUT` ones were run only once it was fixed.
 
 Each workload runs in one `tu.run(fn, cores=1)` (one XLA device; `--engine torch` runs on
 the CPU without XLA, for quick iterations); `--json` writes every curve and value, so
-another rule can be judged from the curves and the grid without training again.
-Run from the repository root: `.venv/bin/python benchmarks/bench_lr_rules.py`.
+another rule can be judged from the curves and the grid without training again, and
+`--table-from` prints the table of saved runs. Run from the repository root:
+`.venv/bin/python benchmarks/bench_lr_rules.py` (about 2 hours on 2 cores; `--only NAME`
+runs one workload).
 """
 import argparse
 import json
@@ -106,7 +111,7 @@ def job(which: str, index: int, seeds, grid, train_rules: bool, sweep=None):
         return value if math.isfinite(value) else None
 
     out = {"name": w.name, "describe": w.describe, "kind": "accuracy" if metrics else "loss",
-           "held_out": any(w.name == h.name for h in workloads("held_out")), "seeds": []}
+           "seeds": []}
     for seed in seeds:
         model, opt = fresh(seed)
         t = time.perf_counter()
@@ -156,6 +161,8 @@ def summary(result) -> dict:
 
 
 def table(results) -> str:
+    from lr_workloads import HELD_OUT
+    held_out = {w.name for w in HELD_OUT}
     names = list(results[0]["seeds"][0]["rules"])
     head = "| workload | grid's best | " + " | ".join(names) + " |"
     lines = [head, "|" + " --- |" * (2 + len(names))]
@@ -163,7 +170,7 @@ def table(results) -> str:
         s = summary(r)
         fmt = (lambda v: f"{100 * v:.1f}%") if r["kind"] == "accuracy" else (lambda v: f"{v:.4f}")
         seeds = len(r["seeds"])
-        cells = [f"{r['name']}{' (held out)' if r.get('held_out') else ''}, {r['kind']}, "
+        cells = [f"{r['name']}{' (held out)' if r['name'] in held_out else ''}, {r['kind']}, "
                  f"{seeds} seed{'s' if seeds > 1 else ''}", f"{fmt(s['best'])} at {s['best_lr']:.2g}"]
         for name in names:
             rule = s["rules"][name]
