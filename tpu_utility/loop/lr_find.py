@@ -83,9 +83,10 @@ def lr_find(model, train_loader, opt, loss_fn: Callable, start_lr: float = 1e-7,
     `result.suggestion` is the default, `one_cycle`: a quarter of the lr at the lowest
     smoothed loss, meant as `train_one_cycle`'s `max_lr`. It is the default because it
     trained within 3 accuracy points (or 5% of the loss) of the best max_lr of a grid on
-    every workload of benchmarks/bench_lr_rules.py (docs/measured.md has the table),
-    where fastai's `valley`, its default, fell short by up to 40 points: valley is
-    cautious, and a short one-cycle schedule pays for caution. fastai's four stay in
+    12 of the 13 workloads of benchmarks/bench_lr_rules.py (docs/measured.md has the
+    table; the 13th, whose sweep never trained, every rule missed), where fastai's
+    `valley`, its default, fell short by 5 to 48 points on 9 of 11: valley is cautious,
+    and a short one-cycle schedule pays for caution. fastai's four stay in
     `result.suggestions`: `valley` (the middle of the longest descent), `steep` (steepest
     slope), `minimum` (a tenth of the lowest point's lr) and `slide` (where the slope
     flattens, coming back from the end). A sweep whose smoothed loss falls less than 5%

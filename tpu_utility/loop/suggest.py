@@ -100,11 +100,11 @@ def for_one_cycle(lrs, losses) -> float:
     """A quarter of the lr at the minimum loss: train_one_cycle's max_lr.
 
     Why a quarter, and why lr_find sweeps 300 steps for it: benchmarks/bench_lr_rules.py
-    (docs/measured.md). On the workloads it was chosen on, the best one-cycle max_lr of
-    a grid sat 2 to 8 times below the lowest point of the smoothed curve; a quarter was
-    within 3 accuracy points (or 5% of the loss) of the grid's best on every one, for
+    (docs/measured.md). On the seven workloads it was chosen on, a quarter was within 3
+    accuracy points (or 5% of the loss) of the best max_lr of a grid on every one, for
     any smoothing from 0.96 to 0.99, where a tenth (fastai's `minimum`) and fastai's
-    `valley` trained too low on several. The lowest point needs a sweep that trains a
+    `valley` trained too low on several; then on five of six held-out ones (the sixth
+    never trained during its sweep, and every rule missed it). The lowest point needs a sweep that trains a
     little: at 100 steps the smoothed curve lags by half the sweep and no fixed fraction
     held on every workload; at 200, a BatchNorm CNN's curve that spiked and recovered put
     the lowest point past the spike.
