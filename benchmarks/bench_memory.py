@@ -55,7 +55,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import tpu_utility as tu  # noqa: E402
-from tpu_utility.engines import current  # noqa: E402
+from tpu_utility.replica import current  # noqa: E402
 
 SIDE = 224
 SAMPLE_BYTES = 3 * SIDE * SIDE
@@ -111,7 +111,7 @@ def train_fn(cache, epochs, workers, copy_into_ram, length, hold_s):
             F.cross_entropy(model(x[..., ::8, ::8].float()), y).backward()
             tu.optimizer_step(opt)
         seen.update(key[1] for key in loader.loader.sampler)  # this replica's (epoch, index, place)
-    current().barrier()  # every replica has finished training
+    current().engine.barrier()  # every replica has finished training
     hold = time.time()
     time.sleep(hold_s)  # hold the final state, workers alive, for the sampler to see
     return len(seen) / len(ds), hold

@@ -43,7 +43,7 @@ def test_no_import_jax_per_batch_or_per_sharding(run_script):
 
         def probe():
             sys.meta_path.insert(0, Recorder())
-            engine = tu.engines.current()
+            engine = tu.replica.current().engine
             loader = tu.make_loader(torch.utils.data.TensorDataset(torch.arange(64.)), batch_size=8,
                                     num_workers=0)
             for _ in loader:  # the first epoch may look for jax once

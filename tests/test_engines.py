@@ -7,7 +7,8 @@ import torch
 
 import tpu_utility as tu
 from conftest import child_processes
-from tpu_utility.engines import REGISTRY, choose, current
+from tpu_utility.engines import REGISTRY, choose
+from tpu_utility.replica import current
 from tpu_utility.environment import TpuInfo
 
 
@@ -61,7 +62,7 @@ def test_distributed_uses_nccl_on_gpus_and_gloo_elsewhere():
 
 def contract(out_dir):
     """What one replica sees of its engine; each replica keeps its own view."""
-    e = current()
+    e = current().engine
     ds = torch.utils.data.TensorDataset(torch.arange(40))
     loader = tu.make_loader(ds, batch_size=2, num_workers=0)
     r = e.rank
@@ -135,19 +136,21 @@ def test_replica_threads_share_a_loader_made_outside_train_fn(run_script):
     # run as two threads through torch_xla's thread-per-device launch (no collectives).
     proc = run_script("""
         import json, threading, torch, tpu_utility as tu
-        from tpu_utility.engines import REGISTRY, activate
+        from tpu_utility.engines import REGISTRY
+        from tpu_utility.engines.xla_single import XlaSetup
+        from tpu_utility.replica import Replica, activate
         loader = tu.make_loader(torch.utils.data.TensorDataset(torch.arange(64)), batch_size=4,
                                 num_workers=0)  # made once, before the replicas exist
         views, lock = {}, threading.Lock()
 
         def body(engine):
-            with activate(engine):
+            with activate(Replica(engine)):
                 epochs = [[b[0].cpu().tolist() for b in loader] for _ in range(3)]
                 with lock:
                     views[engine.rank] = {"epochs": epochs, "replicas": engine.replicas,
                                           "thread": threading.get_ident(), "epoch": loader.epoch}
 
-        REGISTRY["launch"].start(None, 0, 1, 2, body)
+        REGISTRY["launch"].start(XlaSetup(cache=None), 0, body)
         print("RESULT", json.dumps(views))
     """, CPU_NUM_DEVICES=2)
     views = proc.result

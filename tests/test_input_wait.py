@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from tpu_utility.engines import activate
+from tpu_utility.replica import Replica, activate
 from tpu_utility.engines.local import Local
 from tpu_utility.input_wait import InputWait, Meter
 from tpu_utility.loop import EpochStats, History
@@ -87,7 +87,7 @@ class _Slow(torch.utils.data.Dataset):
 
 def test_a_real_loader_records_its_samples_and_gets_a_cure_for_rows():
     import tpu_utility as tu
-    with activate(Local()):  # the cpu engine, in this process: no XLA runtime started
+    with activate(Replica(Local())):  # the cpu engine, in this process: no XLA runtime started
         loader = tu.make_loader(_Slow(), 8, num_workers=0)
         assert sum(1 for _ in loader) == 6
         wait = loader.input_wait

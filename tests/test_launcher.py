@@ -71,7 +71,7 @@ LAUNCH_SCRIPT = """
     def train_fn(scale):
         import torch_xla.runtime as xr
         x = torch.arange(4.0, device=tu.get_device()) * scale
-        return {"x": x, "world": xr.world_size(), "engine": tu.engines.current().name,
+        return {"x": x, "world": xr.world_size(), "engine": tu.replica.current().engine.name,
                 "pid": os.getpid()}
 
     def failing():

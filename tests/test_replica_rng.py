@@ -225,20 +225,22 @@ def replica_threads():
     """Two replicas as threads of one process (a v3-8's layout) move their device streams
     apart; the CPU generators they share are left to the process's first replica."""
     import threading
-    from tpu_utility.engines import REGISTRY, activate
+    from tpu_utility.engines import REGISTRY
+    from tpu_utility.engines.xla_single import XlaSetup
+    from tpu_utility.replica import Replica, activate
     views, lock = {}, threading.Lock()
 
     def body(engine):
-        with activate(engine):
+        with activate(Replica(engine)) as replica:
             cpu = torch.get_rng_state()
-            engine.offset_rng()
-            engine.offset_rng()  # once per replica
+            replica.offset_rng()
+            replica.offset_rng()  # once per replica
             view = {"draw": first_draw(), "cpu_kept": torch.equal(cpu, torch.get_rng_state()),
-                    "owns_cpu": engine.owns_host_rng}
+                    "owns_cpu": replica.owns_host_rng}
         with lock:
             views[engine.rank] = view
 
-    REGISTRY["launch"].start(None, 0, 1, 2, body)
+    REGISTRY["launch"].start(XlaSetup(cache=None), 0, body)
     return views
 
 

@@ -15,7 +15,7 @@ import contextlib
 import functools
 from typing import Any, ContextManager, Dict, Optional
 
-from .engines import current
+from .replica import current
 
 
 def autocast(enabled: bool = True) -> "Autocast":
@@ -51,7 +51,7 @@ class Autocast(contextlib.ContextDecorator):
         self._entered: list = []  # a stack: one instance may be entered again inside itself
 
     def __enter__(self) -> None:
-        device = current().device()
+        device = current().engine.device()
         if not self.enabled or device.type == "cpu":
             context: ContextManager = contextlib.nullcontext()
         else:
@@ -97,7 +97,7 @@ def GradScaler(**kwargs: Any):  # noqa: N802 (named like the class it replaces)
         >>> scaler = tu.GradScaler()
         >>> scaler.scale(w.sum()).backward(); _ = scaler.step(opt); scaler.update()
     """
-    if current().device().type == "cuda":
+    if current().engine.device().type == "cuda":
         return _cuda_scaler_class()(**kwargs)
     return NoScaler()
 

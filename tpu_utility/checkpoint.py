@@ -19,10 +19,9 @@ import re
 import warnings
 from typing import Any, Dict, List, Optional
 
-from . import rng
 from ._tree import flatten, unflatten
 from .devices import is_master, to_cpu
-from .engines import current
+from .replica import current
 from .files import atomic_write, check_writable
 
 FORMAT = "tpu_utility.checkpoint/1"
@@ -71,7 +70,7 @@ def save(obj: Any, f: Any) -> Any:
     if path is None:
         # Every replica opened `f` before this call, and open(..., "wb") truncates: without
         # the wait, a replica that opens it late would cut the master's output to nothing.
-        current().barrier()
+        current().engine.barrier()
     if not is_master():
         return None
     name = path if path is not None else getattr(f, "name", repr(f))
@@ -179,7 +178,7 @@ def save_state(path: str, model, opt=None, loader=None, **extra: Any) -> Optiona
     """
     if is_master():
         check_writable(path, "save_state(path)")
-    current().cut_step()  # the device's random state is exact only between steps: run this one now
+    current().engine.cut_step()  # the device's random state is exact only between steps: run this one now
     write(path, state(model, opt, loader, extra, gradients=True))
     return path if is_master() else None
 
@@ -199,7 +198,7 @@ def load_state(path: str, model, opt=None, loader=None) -> Optional[Dict[str, An
     if saved is None:
         return None
     mine = restore(saved, model, opt, loader)
-    rng.restore(mine["rng"])
+    current().restore_rng(mine["rng"])
     return saved["extra"]
 
 
@@ -211,7 +210,7 @@ def state(model, opt, loader, extra: Dict[str, Any], gradients: bool = False,
     replica its random generators and `own` (what differs between replicas); a collective.
     Call it just after cutting the step (`Engine.cut_step`), once: a second cut would move
     the device's random stream on."""
-    engine = current()
+    engine = current().engine
     grads = None
     if gradients:
         pending = {i: p.grad for i, p in enumerate(model.parameters()) if p.grad is not None}
@@ -224,7 +223,7 @@ def state(model, opt, loader, extra: Dict[str, Any], gradients: bool = False,
     return {"format": FORMAT, "model": model.state_dict(),
             "optimizer": opt.state_dict() if opt is not None else None,
             "loader": loader.state_dict() if loader is not None else None,
-            "gradients": grads, "replicas_own": gather_objects({"rng": rng.capture(), "own": own}),
+            "gradients": grads, "replicas_own": gather_objects({"rng": current().capture_rng(), "own": own}),
             "replicas": engine.replicas, "world_size": engine.world_size, "extra": extra}
 
 
@@ -263,7 +262,7 @@ def read(path: str) -> Optional[Dict[str, Any]]:
 
 def restore(saved: Dict[str, Any], model, opt, loader) -> Dict[str, Any]:
     """Put a checkpoint back: weights, optimizer, loader place, gradients; returns this
-    replica's entry, {"rng": its random states (`rng.restore` them last), "own": ...}."""
+    replica's entry, {"rng": its random states (`Replica.restore_rng` them last), "own": ...}."""
     model.load_state_dict(saved["model"])
     if opt is not None and saved["optimizer"] is not None:
         opt.load_state_dict(saved["optimizer"])
@@ -275,12 +274,12 @@ def restore(saved: Dict[str, Any], model, opt, loader) -> Dict[str, Any]:
             params[i].grad = grad.to(params[i].device)
     # One per replica when the world is the same; otherwise (allowed explicitly, and not
     # exact) replica r takes a saved one in turn.
-    return saved["replicas_own"][current().rank % len(saved["replicas_own"])]
+    return saved["replicas_own"][current().engine.rank % len(saved["replicas_own"])]
 
 
 def gather_objects(obj: Any) -> List[Any]:
     """Every replica's picklable `obj`, in rank order (a collective; one replica: [obj])."""
-    engine = current()
+    engine = current().engine
     if engine.replicas == 1:
         return [obj]
     import torch

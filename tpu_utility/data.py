@@ -11,7 +11,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Mapping, Optional, Tuple
 
 from .checks import check_int
-from .engines import current
+from .replica import current
 from .input_wait import InputWait, Meter, source_of
 from .rng import LOCK, seeded
 
@@ -219,7 +219,7 @@ class DeviceLoader:
         """The calling replica's last epoch as its loop saw it: the time it waited for
         batches, the epoch's time and samples (`.share` is the waiting share); None before
         the first epoch."""
-        engine = current()
+        engine = current().engine
         with self._lock:  # not built for a replica that never iterated it
             state = self._replicas.get(engine)
         return state.input_wait if state is not None else None
@@ -252,7 +252,7 @@ class DeviceLoader:
         state.loader.sampler.resume = (epoch, position * state.loader.batch_size, position)
 
     def _replica(self) -> "_ReplicaState":
-        engine = current()
+        engine = current().engine
         with self._lock:
             state = self._replicas.get(engine)
             if state is None:
@@ -341,6 +341,7 @@ class DeviceLoader:
         expected = len(state.loader)
         state.position = n
         batches = iter(state.feed)
+        replica = current()
         meter = Meter()
         try:
             while True:
@@ -350,7 +351,7 @@ class DeviceLoader:
                 meter.ask()
                 batch = next(batches, _END)
                 meter.got(batch)
-                state.engine.beat()
+                replica.beat()
                 if batch is _END or guard.error is not None:  # not the batches prefetched before it
                     break
                 n += 1

@@ -1,6 +1,6 @@
 """Devices and steps: the swaps for `device = "cuda"` and `opt.step()`, and who is master.
 
-Each asks the engine of the calling replica (`engines.current()`); outside `run` that
+Each asks the calling replica (`replica.current()`) or its engine; outside `run` that
 is one device in this process: XLA when torch_xla is installed, else cuda or cpu.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 from ._tree import map_tensors
 from .checks import check_int
-from .engines import current, in_run
+from .replica import current, in_run
 
 if TYPE_CHECKING:
     import torch
@@ -28,7 +28,7 @@ def get_device():
         >>> import torch, tpu_utility as tu
         >>> x = torch.ones(2, device=tu.get_device())
     """
-    return current().device()
+    return current().engine.device()
 
 
 def optimizer_step(opt, closure: Optional[Callable] = None, **step_kwargs: Any) -> Any:
@@ -93,7 +93,7 @@ def sync() -> None:
         >>> import tpu_utility as tu
         >>> tu.sync()
     """
-    current().sync()
+    current().engine.sync()
 
 
 def world_size() -> int:
@@ -104,7 +104,7 @@ def world_size() -> int:
         >>> tu.world_size()
         1
     """
-    return current().world_size
+    return current().engine.world_size
 
 
 def rank() -> int:
@@ -115,7 +115,7 @@ def rank() -> int:
         >>> tu.rank()
         0
     """
-    return current().rank
+    return current().engine.rank
 
 
 def is_master() -> bool:
@@ -126,7 +126,7 @@ def is_master() -> bool:
         >>> tu.is_master()
         True
     """
-    return current().rank == 0
+    return current().engine.rank == 0
 
 
 def master_print(*args, **kwargs) -> None:

@@ -21,15 +21,16 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from . import engines
+from . import engines, replica
 from .children import die_with_parent
 from .compat import runtime_started
 from .checkpoint import on_cpu
 from .environment import in_notebook, setup_tpu, xla_version
 from .files import atomic_write
-from .preemption import Preempted, StopBoard, on_sigterm, sharing
+from .preemption import Preempted, StopBoard, on_sigterm
 from .stall import DEFAULT_STALL_S, Heartbeats, Watch, check_stall_timeout, dump_on_signal, dump_path
 
 _POLL_S = 0.5
@@ -91,9 +92,9 @@ def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), 
         >>> tu.run(train_fn, cores=1, start_method="fork")
         tensor([2., 2.])
     """
-    if engines.in_run():
+    if replica.in_run():
         raise RuntimeError(
-            f"run() was called inside train_fn, which is already replica {engines.current().rank} "
+            f"run() was called inside train_fn, which is already replica {replica.current().engine.rank} "
             f"of a run(): a replica cannot start replicas of its own. Call the function "
             f"directly inside train_fn (it already runs on every core), or call run() at the "
             f"top level of your notebook or script.")
@@ -106,7 +107,7 @@ def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), 
                          f"{' or '.join(cls.start_methods)}, not start_method={start_method!r}")
     nprocs, expected = cls.processes(info, cores)
     if nprocs == 0:
-        with engines.activate(cls.in_caller(info, cores)):
+        with replica.activate(replica.Replica(cls.in_caller(info, cores))):
             return on_cpu(train_fn(*args))()
     forks = "fork" in cls.start_methods
     start_method = start_method or ("fork" if in_notebook() and forks else "spawn")
@@ -127,10 +128,10 @@ def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), 
         board = StopBoard(expected, ctx)
         outbox = tempfile.mkdtemp(prefix="tpu_utility-run-")  # mode 0700: ours alone
         beats = Heartbeats(nprocs, ctx) if stall_timeout is not None else None
+        launch = _Launch(cls, setup, train_fn, args, results, start_method, outbox,
+                         os.getpid(), board, beats)
         procs = [ctx.Process(target=_process_main, name=f"tpu_utility-{cls.name}-{r}",
-                             args=(cls, setup, cores, r, nprocs, train_fn, args, results,
-                                   start_method, outbox, os.getpid(), board, beats))
-                 for r in range(nprocs)]
+                             args=(launch, r)) for r in range(nprocs)]
         watch = Watch(beats, stall_timeout, procs, outbox, replicas=expected)
         try:
             for p in procs:
@@ -147,7 +148,7 @@ def must_isolate() -> bool:
     """Whether a one-device job called here must run in a child process: outside `run`,
     with torch_xla installed and its runtime not started in this process. A notebook
     kernel that started it could not start a later multi-core `run`."""
-    return not engines.in_run() and bool(xla_version()) and not runtime_started()
+    return not replica.in_run() and bool(xla_version()) and not runtime_started()
 
 
 def run_isolated(fn: Callable, args: tuple, *, start_method: Optional[str], who: str,
@@ -329,33 +330,47 @@ def _stop(procs) -> None:
             p.join()
 
 
-def _process_main(cls, setup, cores, local_rank, nprocs, train_fn, args, results, start_method,
-                  outbox, parent_pid, board, beats) -> None:
-    die_with_parent(parent_pid)
+@dataclass(frozen=True)
+class _Launch:
+    """What every replica process of one run receives from the caller."""
+
+    engine: type  # the engine class
+    setup: Any  # what the engine's prepare yielded
+    train_fn: Callable[..., Any]
+    args: tuple
+    results: Any  # the queue of reports
+    start_method: str
+    outbox: str  # the run's private folder: results and tracebacks
+    parent_pid: int
+    board: StopBoard
+    beats: Optional[Heartbeats]
+
+
+def _process_main(launch: _Launch, local_rank: int) -> None:
+    die_with_parent(launch.parent_pid)
     beat = None
-    if beats is not None:
-        dump_file = dump_on_signal(dump_path(outbox, local_rank))  # noqa: F841 (kept open)
-        beat = beats.slot(local_rank)
-    results.put((local_rank, "started", None))
-    if start_method == "fork":
+    if launch.beats is not None:
+        dump_file = dump_on_signal(dump_path(launch.outbox, local_rank))  # noqa: F841 (kept open)
+        beat = launch.beats.slot(local_rank)
+    launch.results.put((local_rank, "started", None))
+    if launch.start_method == "fork":
         # torch's OpenMP pool (libgomp) hangs in a forked child if the parent used it, at
         # the child's first parallel CPU op. One thread runs ops inline, as DataLoader
         # workers do; XLA's own threads are unaffected.
         import torch
         torch.set_num_threads(1)
     try:
-        cls.start(setup, local_rank, nprocs, cores,
-                  functools.partial(_replica_main, train_fn, args, results, outbox, board, beat))
+        launch.engine.start(launch.setup, local_rank, functools.partial(_replica_main, launch, beat))
     except BaseException as e:  # the engine failed to start (a replica's own errors are reported)
-        _report_error(results, outbox, local_rank, e)
+        _report_error(launch.results, launch.outbox, local_rank, e)
 
 
-def _replica_main(train_fn, args, results, outbox, board, beat, engine) -> None:
+def _replica_main(launch: _Launch, beat, engine) -> None:
     import torch
-    engine.heartbeat = beat
+    results, outbox = launch.results, launch.outbox
     try:
-        with sharing(board), engines.activate(engine):
-            out = on_cpu(train_fn(*args))()  # a returned model comes back as a CPU copy
+        with replica.activate(replica.Replica(engine, heartbeat=beat, board=launch.board)):
+            out = on_cpu(launch.train_fn(*launch.args))()  # a returned model comes back as a CPU copy
             path = None
             if engine.rank == 0:  # before the others leave: a result that cannot travel says so
                 path = os.path.join(outbox, "result.pt")

@@ -2,7 +2,8 @@
 
 SIGTERM (a spot VM's notice, `timeout`, a closing Kaggle session) does not kill a run
 that checkpoints. Replicas may be a step or more apart when it lands, so they agree on
-one step to stop at (`StopBoard`), which `run` shares with them and with its caller.
+one step to stop at (`StopBoard`), which `run` shares with them (each replica's record
+holds it, replica.py) and with its caller.
 """
 from __future__ import annotations
 
@@ -10,11 +11,7 @@ import contextlib
 import multiprocessing
 import signal
 import threading
-from contextvars import ContextVar
 from typing import Iterator, Optional
-
-# The board of the running replica, set by `run` next to its engine.
-_BOARD: ContextVar[Optional["StopBoard"]] = ContextVar("tpu_utility_stop_board", default=None)
 
 
 class Preempted(SystemExit):
@@ -109,18 +106,3 @@ def on_sigterm(handler) -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-@contextlib.contextmanager
-def sharing(board: "StopBoard") -> Iterator[None]:
-    """Inside the block, this replica stops on the run's `board` (set by `run`)."""
-    token = _BOARD.set(board)
-    try:
-        yield
-    finally:
-        _BOARD.reset(token)
-
-
-def stop_board() -> "StopBoard":
-    """The calling replica's StopBoard: the run's, or a fresh one of its own outside `run`."""
-    return _BOARD.get() or StopBoard(1)

@@ -138,8 +138,8 @@ def hints(rep: XlaReport, history=None, sites=(), loaders=(), waits=()) -> List[
     wait = getattr(history, "input", None) or max(waits, key=lambda w: w.share, default=None)
     if wait is not None and worth_a_hint(wait):
         from .data import default_workers
-        from .engines import current
-        out.append(cure(wait, default_workers(current().local_replicas)))
+        from .replica import current
+        out.append(cure(wait, default_workers(current().engine.local_replicas)))
     epochs = list(getattr(history, "epochs", None) or [])
     later = [e.compiles for e in epochs[1:]]
     graphs = rep.compiles - rep.sharded_reads  # the reads' compiles get their own hint

@@ -4,6 +4,8 @@ The loader seeds the host generators per batch (`seeded`), and a checkpoint capt
 restores all four (`capture`, `restore`). All take `LOCK`, so a checkpoint never reads
 or sets the generators while a batch loads with them seeded for it in another thread.
 Replicas start from one state and move apart once their weights agree (`offset_by_rank`).
+The replica whose generators these are is the caller's to pass (replica.py): this module
+knows the engine only as what reads and sets the device's generator.
 """
 from __future__ import annotations
 
@@ -13,8 +15,6 @@ import random
 import sys
 import threading
 from typing import Any, Dict, Iterator
-
-from .engines import current
 
 # Held while a batch loads outside a worker (num_workers=0: the XLA feed's thread) with the
 # global generators seeded for it, and while a checkpoint reads or sets them.
@@ -49,8 +49,9 @@ def seeded(seed: int) -> Iterator[None]:
             LOCK.release()
 
 
-def capture() -> Dict[str, Any]:
-    """This replica's generators, as plain values (numbers, lists, tensors)."""
+def capture(engine: Any) -> Dict[str, Any]:
+    """This replica's generators, as plain values (numbers, lists, tensors): the host's
+    and `engine`'s device generator."""
     import torch
     np = sys.modules.get("numpy")
     numpy_state = None
@@ -59,18 +60,15 @@ def capture() -> Dict[str, Any]:
             kind, keys, pos, has_gauss, gauss = np.random.get_state()
             numpy_state = (kind, keys.tolist(), pos, has_gauss, gauss)
         python, cpu = random.getstate(), torch.get_rng_state()
-    engine = current()
-    return {"python": python, "numpy": numpy_state, "torch": cpu, "device": engine.rng_state(),
-            "offset": engine.rng_offset_applied}
+    return {"python": python, "numpy": numpy_state, "torch": cpu, "device": engine.rng_state()}
 
 
-def restore(saved: Dict[str, Any]) -> None:
-    """Put back what `capture` returned (here or in an earlier process).
+def restore(saved: Dict[str, Any], engine: Any) -> None:
+    """Put back what `capture` returned (here or in an earlier process), `engine`'s
+    device generator included.
 
     It was captured just after a step cut that the feed then skipped: skip the feed's
-    next cut here too, or the first step would run one seed further on. Whether this
-    replica's streams were already moved apart comes back too, so a resumed run neither
-    moves them again nor skips it (checkpoints from before it was saved: not yet)."""
+    next cut here too, or the first step would run one seed further on."""
     import torch
     with LOCK:
         random.setstate(_tuples(saved["python"]))
@@ -79,16 +77,13 @@ def restore(saved: Dict[str, Any]) -> None:
             kind, keys, pos, has_gauss, gauss = saved["numpy"]
             np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
         torch.set_rng_state(saved["torch"])
-    engine = current()
     engine.cut_step()
     engine.set_rng_state(saved["device"])
-    # A checkpoint from before replicas drew apart (no "offset") continues as it was saved
-    engine.rng_offset_applied = bool(saved.get("offset", True))
 
 
-def offset_by_rank(rank: int, engine: Any = None, host: bool = True) -> None:
+def offset_by_rank(rank: int, engine: Any, host: bool = True) -> None:
     """Reseed this replica's generators, each from its own state and `rank`: the device's
-    (through `engine`, the current one by default) and, with `host`, torch's CPU one,
+    (through `engine`) and, with `host`, torch's CPU one,
     Python's and numpy's (if numpy is imported).
 
     Replicas that share every state draw alike (a GAN's noise, dropout); after this,
@@ -97,7 +92,6 @@ def offset_by_rank(rank: int, engine: Any = None, host: bool = True) -> None:
     is left alone by the engines, so the master draws what the original script draws.
     """
     import torch
-    engine = current() if engine is None else engine
     if host:
         np = sys.modules.get("numpy")
         with LOCK:

@@ -9,17 +9,15 @@
 | "torchtpu" | torchtpu.py | one per TPU chip | spawned processes on Google's TorchTPU runtime (experimental) |
 | "torch" | local.py | 1 | the calling process, on cuda or cpu (no XLA) |
 
-The interface is in base.py. `run` picks a class (`choose`), starts its processes, and makes one instance per replica
-the engine in force (`activate`, the only writer). The device, the optimizer step, the
-loader, metrics and gathering ask `current()` and never test an engine's name. A new
+The interface is in base.py. `run` picks a class (`choose`), starts its processes, and
+makes one instance per replica, held by that replica's record (replica.py, whose
+`current()` the device, the optimizer step, the loader, metrics and gathering ask); none
+of them tests an engine's name. A new
 engine is one new file plus one line in REGISTRY. Importing this package imports no torch.
 """
 from __future__ import annotations
 
-import contextlib
-import functools
-from contextvars import ContextVar
-from typing import TYPE_CHECKING, ContextManager, Dict, Optional, Type
+from typing import TYPE_CHECKING, Dict, Optional, Type
 
 from .base import Engine, cores_error
 from .distributed import Distributed
@@ -35,9 +33,6 @@ if TYPE_CHECKING:
 # In the order `choose` asks them whether they are this host's automatic choice.
 REGISTRY: Dict[str, Type[Engine]] = {cls.name: cls for cls in (
     XlaSingle, XlaReplicas, XlaSpmd, TorchTpu, Distributed, Local)}
-
-_ACTIVE: ContextVar[Optional[Engine]] = ContextVar("tpu_utility_engine", default=None)
-
 
 def choose(cores: int, info: "TpuInfo", name: Optional[str] = None) -> Type[Engine]:
     """The engine class for `cores` on this host, or `name`'s; a ValueError says why not."""
@@ -57,31 +52,8 @@ def choose(cores: int, info: "TpuInfo", name: Optional[str] = None) -> Type[Engi
     return cls
 
 
-def activate(engine: Engine) -> ContextManager[Engine]:
-    """Make `engine` the one in force for this replica (this thread) inside the block."""
-    @contextlib.contextmanager
-    def active():
-        token = _ACTIVE.set(engine)
-        try:
-            yield engine
-        finally:
-            _ACTIVE.reset(token)
-    return active()
-
-
-def current() -> Engine:
-    """The engine of the calling replica; outside `run`, one device in this process."""
-    engine = _ACTIVE.get()
-    return engine if engine is not None else _outside_run()
-
-
-def in_run() -> bool:
-    """Whether the caller is a replica inside `run`."""
-    return _ACTIVE.get() is not None
-
-
-@functools.lru_cache(maxsize=None)
-def _outside_run() -> Engine:
-    # One instance per process, so a loader iterated at the top level keeps its epoch.
+def outside_run() -> Engine:
+    """The engine for work outside `run`: one device in this process (replica.py keeps one
+    per process)."""
     from ..environment import xla_version
     return XlaSingle() if xla_version() else Local()

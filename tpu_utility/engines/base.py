@@ -6,7 +6,6 @@ from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List
                     Sequence, Tuple)
 
 from .._tree import map_tensors
-from ..checks import check_optimizer_device
 
 if TYPE_CHECKING:
     import torch
@@ -14,14 +13,17 @@ if TYPE_CHECKING:
 
 
 class Engine:
-    """One replica's view of the run, plus (classmethods) how the parent starts replicas.
+    """The backend of one replica (its device, feed, collectives and step cut), plus
+    (classmethods) how the parent starts replicas. What a replica owns besides (its
+    heartbeat, stop board, random-stream flag, what it made identical) is its record in
+    replica.py, which builds the optimizer step on these collectives.
 
     `world_size` is the data-parallel width (devices that share each global batch: what
     `scale_lr_bs` scales by); `replicas` is how many copies of train_fn run, each on its
     own slice of the data; `rank` is this copy's index, 0 being the master. Single-replica
     engines inherit the identity collectives below; multi-replica engines supply the
     primitives (`_all_reduce_sum`, `_all_gather`, `_broadcast`, `_barrier`,
-    `_average_gradients(grads)`, in place), and everything built on them is shared.
+    `_average_gradients(grads)`, in place).
     """
 
     name: str = ""
@@ -30,9 +32,7 @@ class Engine:
     replicas: int = 1
     rank: int = 0
     local_replicas: int = 1  # replicas on this host, which share its CPU cores
-    heartbeat: Any = None  # set by run in each replica: stall.Beat, or None (no stall watch)
-    rng_offset_applied: bool = False  # this replica's random streams moved apart (`offset_rng`)
-    owns_host_rng: bool = True  # False: a replica thread whose CPU generators another owns
+    thread_index: int = 0  # this replica's place among replica threads of one process
 
     # -- the launching side: classmethods, run in the caller; none starts a runtime ----------
 
@@ -61,13 +61,14 @@ class Engine:
     def prepare(cls, info: "TpuInfo", cores: int, start_method: str,
                 timeout: Optional[float]) -> Iterator[Any]:
         """In the caller, around the whole run: check the host, and yield what every
-        child's `start` receives (picklable)."""
+        child's `start` receives (picklable): all it needs, process and device counts
+        included."""
         yield None
 
     @classmethod
-    def start(cls, setup: Any, local_rank: int, nprocs: int, cores: int,
-              body: Callable[["Engine"], None]) -> None:
-        """In child process `local_rank` of `nprocs`: initialise, then `body(engine)` per replica."""
+    def start(cls, setup: Any, local_rank: int, body: Callable[["Engine"], None]) -> None:
+        """In child process `local_rank`: initialise from `setup` (what `prepare` yielded),
+        then call `body(engine)` once per replica of this process."""
         raise NotImplementedError(f"engine {cls.name!r} runs in the calling process")
 
     # -- the replica side -------------------------------------------------------------------
@@ -97,11 +98,6 @@ class Engine:
     def after_step(self, fn: Callable, *tensors) -> None:
         """Call `fn(*tensors)` once the step has run (now, where nothing is deferred)."""
         fn(*tensors)
-
-    def beat(self) -> None:
-        """Progress (a batch arrived, a step was taken), for run's stall watch: one store."""
-        if self.heartbeat is not None:
-            self.heartbeat.beat()
 
     def sync(self) -> None:
         """Run everything pending (XLA cuts its graph here)."""
@@ -150,146 +146,13 @@ class Engine:
         if self.replicas > 1:
             self._barrier()
 
-    # Built on the collectives, the same for every engine.
-
-    def optimizer_step(self, opt, closure: Optional[Callable] = None, **step_kwargs) -> Any:
-        """`opt.step()` with the gradients averaged over replicas (`sync_gradients`).
-
-        With a `closure` (LBFGS calls it several times a step) each call's gradients are
-        averaged, and its loss too: LBFGS branches on `float(loss)`, and replicas that
-        branched apart would call the closure, and so the collectives, a different number
-        of times, and wait on each other for ever.
-        """
-        if closure is None:
-            self.sync_gradients(opt)
-            out = opt.step(**step_kwargs)
-        else:
-            if self.replicas > 1:
-                self._first_step(opt)
-                closure = self._averaging(opt, closure)
-            out = opt.step(self._cut_after(closure, opt), **step_kwargs)
-        self.beat()
-        return out
-
-    def sync_gradients(self, opt) -> None:
-        """What must happen before a step of `opt`: its gradients averaged over replicas.
-
-        Before an optimizer's first step the master's values of its parameters are
-        broadcast, so replicas that drew different initial weights (threads sharing one
-        RNG, a seed per rank) train one model from then on. Before that, once per optimizer,
-        its parameters must be on this replica's device (`checks.check_optimizer_device`).
-        """
-        self._check_device(opt)
-        if self.replicas > 1:
-            self._first_step(opt)
-            self._average_grads_of(_params(opt))
-
-    def average_gradients(self, params: Iterable["torch.Tensor"]) -> None:
-        """`.grad` of `params` averaged over replicas, for an update written by hand; the
-        first time a tensor comes by, every replica takes the master's value of it."""
-        params = list(params)
-        if self.device().type != "cpu":  # checked each call: `params` is new each time
-            check_optimizer_device(params, self.device(), gradless_only=True)
-        if self.replicas > 1:
-            self._make_identical(params)
-            self._average_grads_of(params)
-
-    def sync_module(self, model) -> None:
-        """Make `model`'s parameters and buffers the master's, on every replica (and then
-        move the replicas' random streams apart, `offset_rng`)."""
-        if self.replicas > 1:
-            tensors = list(model.parameters()) + list(model.buffers())
-            self.broadcast(tensors)
-            self._synced()[1].update((id(t), t) for t in tensors)
-            self.offset_rng()
-
-    def offset_rng(self) -> None:
-        """Move this replica's random streams apart from the other replicas', once.
-
-        Replicas start from one random state (forked, or seeded alike), so each would draw
-        the same noise and dropout masks: a batch of 128 noise samples over 8 replicas
-        would hold 16 distinct ones. Once the weights agree (the first broadcast), each
-        replica of rank r > 0 reseeds from its states and r (`rng.offset_by_rank`); the
-        master keeps its streams, so it draws what a one-device run draws.
-        """
-        if self.replicas > 1 and not self.rng_offset_applied:
-            self.rng_offset_applied = True
-            if self.rank > 0:
-                from .. import rng
-                rng.offset_by_rank(self.rank, self, host=self.owns_host_rng)
-
-    def _check_device(self, opt) -> None:
-        """Once per optimizer, after a backward and before its first step: refuse one
-        whose parameters are elsewhere than this device and got no gradient (it was made
-        before `model.to(device)`); parameters with gradients elsewhere are trained there
-        on purpose."""
-        checked = self._synced()[2]
-        if opt not in checked:
-            if self.device().type != "cpu":
-                check_optimizer_device(_params(opt), self.device(), gradless_only=True)
-            checked.add(opt)
-
-    def _first_step(self, opt) -> None:
-        """Before `opt`'s first step: its parameters made the master's on every replica."""
-        opts = self._synced()[0]
-        if opt not in opts:
-            self._make_identical(_params(opt))
-            opts.add(opt)
-
-    def _make_identical(self, params) -> None:
-        """The master's values broadcast into those of `params` not yet made identical."""
-        tensors = self._synced()[1]
-        self.broadcast([p for p in params if tensors.get(id(p)) is not p])
-        tensors.update((id(p), p) for p in params)
-        self.offset_rng()
-
-    def _average_grads_of(self, params) -> None:
-        grads = [p.grad for p in params if p.grad is not None]
-        if grads:
-            self._average_gradients(grads)
-
-    def _cut_after(self, closure: Callable, opt) -> Callable:
-        """`closure` followed by the step's cut: LBFGS evaluates it several times a step and
-        reads each loss; uncut, each read runs a graph that holds every evaluation so far.
-        The first call's backward is what `_check_device` needs."""
-        def cut():
-            loss = closure()
-            self._check_device(opt)
-            self.sync()
-            return loss
-        return cut
-
-    def _averaging(self, opt, closure: Callable) -> Callable:
-        """`closure` whose gradients and loss come out averaged over replicas."""
-        import torch
-
-        def averaged():
-            loss = closure()
-            self._average_grads_of(_params(opt))
-            if loss is None:
-                return None
-            value = (loss.detach() if torch.is_tensor(loss)
-                     else torch.tensor(float(loss), device=self.device()))
-            (total,) = self._all_reduce_sum([value])
-            return total / self.replicas if torch.is_tensor(loss) else float(total) / self.replicas
-        return averaged
-
-    def _synced(self):
-        """(optimizers, {id: tensor}) already made identical on every replica, and the
-        optimizers whose device was checked. Weak, so a model built later at a freed
-        address is synced again; keyed by id because a tensor's == is elementwise."""
-        if "_synced_state" not in self.__dict__:
-            import weakref
-            self._synced_state = (weakref.WeakSet(), weakref.WeakValueDictionary(),
-                                  weakref.WeakSet())
-        return self._synced_state
+    def average_in_place(self, tensors: Sequence["torch.Tensor"]) -> None:
+        """Overwrite `tensors` (gradients), in place, with their mean over replicas."""
+        if self.replicas > 1 and tensors:
+            self._average_gradients(list(tensors))
 
     def __repr__(self) -> str:
         return f"<engine {self.name!r}: rank {self.rank} of {self.replicas}, world size {self.world_size}>"
-
-
-def _params(opt) -> list:
-    return [p for g in opt.param_groups for p in g["params"]]
 
 
 class _ToDevice:

@@ -27,6 +27,7 @@ class _Setup:
     ports: Any  # a multiprocessing queue: rank 0 posts the store's port for the others
     backend: str  # "nccl", "gloo" (or "tpu_dist", TorchTPU's)
     timeout_s: float
+    processes: int  # one per replica
 
 
 class Distributed(Engine):
@@ -67,13 +68,14 @@ class Distributed(Engine):
         # Rank 0 hosts the store and posts its port here. Not the caller: a forked child
         # hung creating its store while the caller's store thread ran.
         ports = multiprocessing.get_context(start_method).Queue()
-        yield _Setup(ports, backend, float(timeout) if timeout else _DEFAULT_TIMEOUT_S)
+        yield _Setup(ports, backend, float(timeout) if timeout else _DEFAULT_TIMEOUT_S, cores)
 
     @classmethod
-    def start(cls, setup, local_rank, nprocs, cores, body) -> None:
+    def start(cls, setup, local_rank, body) -> None:
         import datetime
         import torch
         import torch.distributed as dist
+        nprocs = setup.processes
         if setup.backend == "nccl":
             try:
                 torch.cuda.set_device(local_rank)

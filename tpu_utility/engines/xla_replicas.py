@@ -8,7 +8,7 @@ are torch_xla's, inside the step's graph. On XLA:CPU they hang between replicas
 """
 from __future__ import annotations
 
-from .xla_single import XlaSingle
+from .xla_single import XlaSetup, XlaSingle
 
 
 class XlaReplicas(XlaSingle):
@@ -38,13 +38,17 @@ class XlaReplicas(XlaSingle):
         return 1, 1
 
     @classmethod
-    def start(cls, setup, local_rank, nprocs, cores, body) -> None:
+    def _setup(cls, cache, info, cores):
+        return XlaSetup(cache, processes=cls.processes(info, cores)[0])
+
+    @classmethod
+    def start(cls, setup, local_rank, body) -> None:
         import os
         from ..compat import run_thread_per_device, use_compile_cache
         # A folder per process: torch_xla's cache is not documented as safe for writers that share one.
-        use_compile_cache(setup and os.path.join(setup, f"process-{local_rank}"))
+        use_compile_cache(setup.cache and os.path.join(setup.cache, f"process-{local_rank}"))
         # One thread per device of this process; each makes its engine once its device is set.
-        run_thread_per_device(local_rank, nprocs, lambda: body(cls()))
+        run_thread_per_device(local_rank, setup.processes, lambda: body(cls()))
 
     def __init__(self):
         import torch_xla
@@ -52,8 +56,8 @@ class XlaReplicas(XlaSingle):
         self.world_size = self.replicas = xr.world_size()
         self.rank = xr.global_ordinal()
         self.local_replicas = xr.local_device_count()
-        # Threads of one process (v2/v3) share its CPU generators: its first moves them.
-        self.owns_host_rng = torch_xla.device().index == 0
+        # Threads of one process (v2/v3) share its CPU generators: in replica.py its first owns them.
+        self.thread_index = torch_xla.device().index
 
     def _all_reduce_sum(self, tensors):
         import torch_xla.core.xla_model as xm

@@ -11,8 +11,19 @@ from __future__ import annotations
 import contextlib
 import gc
 import multiprocessing.context as mpc
+from dataclasses import dataclass
+from typing import Optional
 
 from .base import Engine, cores_error
+
+
+@dataclass(frozen=True)
+class XlaSetup:
+    """What the children of the multi-device XLA engines need, from `prepare`."""
+
+    cache: Optional[str]  # the folder for compiled graphs, or None
+    devices: int = 1  # the run's devices (SPMD starts its runtime with them)
+    processes: int = 1  # child processes (the thread-per-device launch needs the count)
 
 
 class XlaSingle(Engine):
@@ -65,10 +76,15 @@ class XlaSingle(Engine):
         if start_method == "fork":
             import torch_xla  # noqa: F401  (imported once here, shared by every forked child)
         from ..environment import compile_cache_dir
-        yield compile_cache_dir(info)  # every child's folder for compiled graphs, or None
+        yield cls._setup(compile_cache_dir(info), info, cores)
 
     @classmethod
-    def start(cls, setup, local_rank, nprocs, cores, body) -> None:
+    def _setup(cls, cache: Optional[str], info, cores: int):
+        """What `start` receives: one device needs only the compiled graphs' folder."""
+        return cache
+
+    @classmethod
+    def start(cls, setup, local_rank, body) -> None:
         from ..compat import init_one_device, use_compile_cache
         use_compile_cache(setup)
         init_one_device()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from .xla_single import XlaSingle
+from .xla_single import XlaSetup, XlaSingle
 
 
 class XlaSpmd(XlaSingle):
@@ -27,19 +27,23 @@ class XlaSpmd(XlaSingle):
         return 1, 1
 
     @classmethod
-    def start(cls, setup, local_rank, nprocs, cores, body) -> None:
+    def _setup(cls, cache, info, cores):
+        return XlaSetup(cache, devices=cores)
+
+    @classmethod
+    def start(cls, setup, local_rank, body) -> None:
         from ..compat import quiet_spmd_on_cpu, use_compile_cache
         if os.environ.get("PJRT_DEVICE") == "CPU":  # read once, when the runtime starts
-            os.environ["CPU_NUM_DEVICES"] = str(cores)
+            os.environ["CPU_NUM_DEVICES"] = str(setup.devices)
         quiet_spmd_on_cpu()
-        use_compile_cache(setup)
+        use_compile_cache(setup.cache)
         import numpy as np
         import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
         xr.use_spmd()
         n = xr.global_runtime_device_count()
-        if n != cores:
-            raise RuntimeError(f"SPMD found {n} devices, expected cores={cores}")
+        if n != setup.devices:
+            raise RuntimeError(f"SPMD found {n} devices, expected cores={setup.devices}")
         mesh = xs.Mesh(np.arange(n), (n,), ("data",))
         xs.set_global_mesh(mesh)
         body(cls(mesh, n, xr.process_index()))

@@ -7,7 +7,7 @@ from typing import Callable, List, Optional
 from ..amp import autocast_context
 from ..data import DeviceLoader
 from ..devices import get_device, sync, to_cpu
-from ..engines import current
+from ..replica import current
 from .batch import as_loader, check_model_device, forward, per_sample_loss, split_batch
 
 
@@ -26,7 +26,7 @@ def evaluate(model, loader, loss_fn, metrics, batch_fn, autocast) -> list:
     """This replica's device sums over its real (not padded) samples: [loss and each
     metric, count], to be summed over replicas and divided by the count."""
     import torch
-    engine = current()
+    engine = current().engine
     model.eval()
     sums, count = engine.zeros(1 + len(metrics)), engine.zeros(())
     with torch.no_grad():
@@ -46,7 +46,7 @@ def epoch_totals(loss_sum, train_batches: int, valid_sums: Optional[list]) -> Li
     """[train loss, (valid loss, each metric, valid samples)] over every replica: the
     epoch's one collective and its one read. `loss_sum` is zeroed for the next epoch."""
     import torch
-    engine = current()
+    engine = current().engine
     # Summed over replicas in one collective; the repeats that pad the validation set are
     # not in the sums, and its last entry counts the real samples.
     (totals,) = engine.all_reduce_sum([torch.cat([loss_sum.reshape(1)] + (valid_sums or []))])
@@ -124,7 +124,7 @@ def gather(tensor, data, *, who: str = "gather"):
     else:
         raise TypeError(f"{who}: pass the make_loader(train=False) loader the rows came from, "
                         f"or the dataset's length, got {type(data).__name__}")
-    engine = current()
+    engine = current().engine
     slices, _ = engine.shard()
     out = tensor
     if slices > 1:

@@ -19,7 +19,7 @@ from ..amp import autocast_context
 from ..checks import check_int, check_optimizer_device
 from ..compat import xla_counts
 from ..devices import get_device, is_master, optimizer_step, sync, to_cpu
-from ..engines import current
+from ..replica import current
 from ..files import atomic_write, check_writable
 from ..launcher import must_isolate, run_isolated
 from ..plots import plot_lines
@@ -183,9 +183,8 @@ def _sweep_moved(model, loader, opt, loss_fn, s: _Sweep) -> LRFindResult:
 
 def _sweep_in_place(model, loader, opt, loss_fn, s: _Sweep) -> LRFindResult:
     """Sweep, then give model and optimizer back exactly as they were."""
-    engine = current()
     counts0 = xla_counts()
-    engine.sync_module(model)  # every replica sweeps the master's model
+    current().sync_module(model)  # every replica sweeps the master's model
     model_state = {k: v.clone() for k, v in model.state_dict().items()}
     opt_state = copy.deepcopy(opt.state_dict())
     was_training = model.training
@@ -206,7 +205,7 @@ class _Sweeper:
 
     def __init__(self, model, opt, loss_fn, s: _Sweep):
         self.model, self.opt, self.loss_fn, self.s = model, opt, loss_fn, s
-        self.engine = current()
+        self.engine = current().engine
         self.autocast = autocast_context(s.precision, self.engine.device())
         self.hypers = Hypers(opt, [(s.lr_at, None)] * len(opt.param_groups), None)
         zeros = self.engine.zeros

@@ -18,7 +18,7 @@ from ..checkpoint import save_or_warn
 from ..checks import check_int, check_optimizer_device, check_positive
 from ..compat import xla_counts
 from ..devices import is_master, optimizer_step
-from ..engines import current
+from ..replica import current
 from ..files import check_writable
 from ..plots import plot_history
 from ..progress import EpochTable
@@ -186,7 +186,7 @@ class _Run:
                 "evaluation would see other inputs (uint8, another size, not normalised): pass "
                 "the same augment= to make_loader(valid_ds, ..., train=False), which applies only "
                 "its deterministic part")
-        engine = current()
+        engine = current().engine
         check_model_device(model, engine.device(), "train_one_cycle")
         check_optimizer_device((p for g in opt.param_groups for p in g["params"]), engine.device(),
                                "train_one_cycle")
@@ -208,7 +208,7 @@ class _Run:
         self.table = EpochTable(self.o.epochs, ["epoch", "train_loss"]
                                 + (["valid_loss"] + list(self.o.names) if self.valid else [])
                                 + ["lr", "time", "samples/s", "wait"], enabled=self.o.progress)
-        self.engine.sync_module(self.model)  # replicas that drew different weights start from the master's
+        current().sync_module(self.model)  # replicas that drew different weights start from the master's
         self.loss_sum = self.engine.zeros(())
 
     def finish(self) -> History:

@@ -6,7 +6,7 @@ Exactness rests on that order:
   the log closure that the cut ran, then capture the random states without a second cut
   (a second cut would move the device's random stream on);
 - restoring: weights, optimizer and loaders first and the random states last, so nothing
-  draws from them before the loop; `rng.restore` skips the feed's next cut, as the save did.
+  draws from them before the loop; `restore_rng` skips the feed's next cut, as the save did.
 The loop's own state is saved under extra["train_one_cycle"] from its parts' state_dicts,
 in the layout of format tpu_utility.checkpoint/1, so older checkpoints still resume.
 """
@@ -15,9 +15,9 @@ from __future__ import annotations
 import contextlib
 from typing import Any, ContextManager, Dict, Optional
 
-from .. import rng
 from ..checkpoint import read, restore, state, write
-from ..preemption import Preempted, stop_board
+from ..preemption import Preempted
+from ..replica import current
 from .state import History, Position
 
 
@@ -28,7 +28,7 @@ class Resume:
         self.path, self.run = path, run
         self.saved: Optional[Dict[str, Any]] = None
         self.finished = False
-        self.board = stop_board() if path is not None else None
+        self.board = current().stop_board() if path is not None else None
         self.stop: Optional[int] = None  # the step to stop at, once the replicas agreed on one
         self.signature = run_signature(run) if path is not None else None
 
@@ -63,7 +63,7 @@ class Resume:
             return
         run = self.run
         mine = restore(self.saved, run.model, run.opt, None)
-        rng.restore(mine["rng"])
+        current().restore_rng(mine["rng"])
         own = mine["own"]
         run.train.load_state_dict({"epoch": run.at.epoch, "position": run.at.batch})
         if run.valid is not None:  # its epoch seeds what its samples draw

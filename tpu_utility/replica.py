@@ -1,0 +1,234 @@
+"""The replica: what one copy of train_fn owns while it runs, and what is built on it.
+
+A replica is a record: its engine (the backend: device, feed, collectives), the
+heartbeat run's stall watch reads, the stop board its preemption agrees on, whether its
+random streams were moved apart, and the weak sets of what it already made identical
+across replicas. `run` makes one per replica and makes it current (`activate`, the only
+writer of the one ContextVar); outside `run` each process has one of its own. The
+per-replica operations (`optimizer_step`, `average_gradients`, `sync_module`) live here
+because they read and write that record; the engine only supplies the collectives.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, Optional
+
+from . import rng
+from .checks import check_optimizer_device
+from .engines import Engine, outside_run
+from .preemption import StopBoard
+
+if TYPE_CHECKING:
+    import torch
+    from .stall import Beat
+
+_CURRENT: ContextVar[Optional["Replica"]] = ContextVar("tpu_utility_replica", default=None)
+
+
+class Replica:
+    """One replica's record: its engine and the state that belongs to it alone.
+
+    Args:
+        engine: the backend this replica runs on.
+        heartbeat: run's stall-watch slot for this replica's process, or None.
+        board: the run's StopBoard, or None outside run (each checkpointing call then
+            gets a fresh one: a SIGTERM handled once must not stop the next call).
+    """
+
+    def __init__(self, engine: Engine, heartbeat: Optional["Beat"] = None,
+                 board: Optional[StopBoard] = None):
+        self.engine, self.heartbeat, self.board = engine, heartbeat, board
+        self.rng_moved = False  # this replica's random streams moved apart (`offset_rng`)
+        # Weak, so a model built later at a freed address is synced again; tensors keyed
+        # by id because a tensor's == is elementwise.
+        self._synced_opts: "weakref.WeakSet" = weakref.WeakSet()
+        self._synced_tensors: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+        self._checked_opts: "weakref.WeakSet" = weakref.WeakSet()
+
+    @property
+    def owns_host_rng(self) -> bool:
+        """Whether this replica moves the process's CPU generators: replica threads of one
+        process (TPU v2/v3) share them, and the process's first moves them."""
+        return self.engine.thread_index == 0
+
+    def stop_board(self) -> StopBoard:
+        """The run's StopBoard; outside `run`, a fresh one of this call's own."""
+        return self.board if self.board is not None else StopBoard(1)
+
+    def beat(self) -> None:
+        """Progress (a batch arrived, a step was taken), for run's stall watch: one store."""
+        if self.heartbeat is not None:
+            self.heartbeat.beat()
+
+    # -- random state --------------------------------------------------------------------------
+
+    def capture_rng(self) -> Dict[str, Any]:
+        """This replica's generators, and whether they were moved apart (for a checkpoint)."""
+        return {**rng.capture(self.engine), "offset": self.rng_moved}
+
+    def restore_rng(self, saved: Dict[str, Any]) -> None:
+        """Put back what `capture_rng` returned. A checkpoint from before replicas drew
+        apart (no "offset") continues as it was saved."""
+        rng.restore(saved, self.engine)
+        self.rng_moved = bool(saved.get("offset", True))
+
+    def offset_rng(self) -> None:
+        """Move this replica's random streams apart from the other replicas', once.
+
+        Replicas start from one random state (forked, or seeded alike), so each would draw
+        the same noise and dropout masks: a batch of 128 noise samples over 8 replicas
+        would hold 16 distinct ones. Once the weights agree (the first broadcast), each
+        replica of rank r > 0 reseeds from its states and r (`rng.offset_by_rank`); the
+        master keeps its streams, so it draws what a one-device run draws.
+        """
+        engine = self.engine
+        if engine.replicas > 1 and not self.rng_moved:
+            self.rng_moved = True
+            if engine.rank > 0:
+                rng.offset_by_rank(engine.rank, engine, host=self.owns_host_rng)
+
+    # -- the optimizer step and weights made identical -----------------------------------------
+
+    def optimizer_step(self, opt, closure: Optional[Callable] = None, **step_kwargs) -> Any:
+        """`opt.step()` with the gradients averaged over replicas (`sync_gradients`).
+
+        With a `closure` (LBFGS calls it several times a step) each call's gradients are
+        averaged, and its loss too: LBFGS branches on `float(loss)`, and replicas that
+        branched apart would call the closure, and so the collectives, a different number
+        of times, and wait on each other for ever.
+        """
+        if closure is None:
+            self.sync_gradients(opt)
+            out = opt.step(**step_kwargs)
+        else:
+            if self.engine.replicas > 1:
+                self._first_step(opt)
+                closure = self._averaging(opt, closure)
+            out = opt.step(self._cut_after(closure, opt), **step_kwargs)
+        self.beat()
+        return out
+
+    def sync_gradients(self, opt) -> None:
+        """What must happen before a step of `opt`: its gradients averaged over replicas.
+
+        Before an optimizer's first step the master's values of its parameters are
+        broadcast, so replicas that drew different initial weights (threads sharing one
+        RNG, a seed per rank) train one model from then on. Before that, once per optimizer,
+        its parameters must be on this replica's device (`checks.check_optimizer_device`).
+        """
+        self._check_device(opt)
+        if self.engine.replicas > 1:
+            self._first_step(opt)
+            self.engine.average_in_place(_grads(_params(opt)))
+
+    def average_gradients(self, params: Iterable["torch.Tensor"]) -> None:
+        """`.grad` of `params` averaged over replicas, for an update written by hand; the
+        first time a tensor comes by, every replica takes the master's value of it."""
+        params = list(params)
+        device = self.engine.device()
+        if device.type != "cpu":  # checked each call: `params` is new each time
+            check_optimizer_device(params, device, gradless_only=True)
+        if self.engine.replicas > 1:
+            self._make_identical(params)
+            self.engine.average_in_place(_grads(params))
+
+    def sync_module(self, model) -> None:
+        """Make `model`'s parameters and buffers the master's, on every replica (and then
+        move the replicas' random streams apart, `offset_rng`)."""
+        if self.engine.replicas > 1:
+            tensors = list(model.parameters()) + list(model.buffers())
+            self.engine.broadcast(tensors)
+            self._synced_tensors.update((id(t), t) for t in tensors)
+            self.offset_rng()
+
+    def _check_device(self, opt) -> None:
+        """Once per optimizer, after a backward and before its first step: refuse one
+        whose parameters are elsewhere than this device and got no gradient (it was made
+        before `model.to(device)`); parameters with gradients elsewhere are trained there
+        on purpose."""
+        if opt not in self._checked_opts:
+            device = self.engine.device()
+            if device.type != "cpu":
+                check_optimizer_device(_params(opt), device, gradless_only=True)
+            self._checked_opts.add(opt)
+
+    def _first_step(self, opt) -> None:
+        """Before `opt`'s first step: its parameters made the master's on every replica."""
+        if opt not in self._synced_opts:
+            self._make_identical(_params(opt))
+            self._synced_opts.add(opt)
+
+    def _make_identical(self, params) -> None:
+        """The master's values broadcast into those of `params` not yet made identical."""
+        tensors = self._synced_tensors
+        self.engine.broadcast([p for p in params if tensors.get(id(p)) is not p])
+        tensors.update((id(p), p) for p in params)
+        self.offset_rng()
+
+    def _cut_after(self, closure: Callable, opt) -> Callable:
+        """`closure` followed by the step's cut: LBFGS evaluates it several times a step and
+        reads each loss; uncut, each read runs a graph that holds every evaluation so far.
+        The first call's backward is what `_check_device` needs."""
+        def cut():
+            loss = closure()
+            self._check_device(opt)
+            self.engine.sync()
+            return loss
+        return cut
+
+    def _averaging(self, opt, closure: Callable) -> Callable:
+        """`closure` whose gradients and loss come out averaged over replicas."""
+        import torch
+        engine = self.engine
+
+        def averaged():
+            loss = closure()
+            engine.average_in_place(_grads(_params(opt)))
+            if loss is None:
+                return None
+            value = (loss.detach() if torch.is_tensor(loss)
+                     else torch.tensor(float(loss), device=engine.device()))
+            (total,) = engine.all_reduce_sum([value])
+            return total / engine.replicas if torch.is_tensor(loss) else float(total) / engine.replicas
+        return averaged
+
+    def __repr__(self) -> str:
+        return f"<replica of {self.engine!r}>"
+
+
+def _params(opt) -> list:
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def _grads(params) -> list:
+    return [p.grad for p in params if p.grad is not None]
+
+
+@contextlib.contextmanager
+def activate(replica: Replica) -> Iterator[Replica]:
+    """Make `replica` the calling one (this thread, this context) inside the block."""
+    token = _CURRENT.set(replica)
+    try:
+        yield replica
+    finally:
+        _CURRENT.reset(token)
+
+
+def current() -> Replica:
+    """The calling replica; outside `run`, this process's one replica on one device."""
+    replica = _CURRENT.get()
+    return replica if replica is not None else _outside_run()
+
+
+def in_run() -> bool:
+    """Whether the caller is a replica inside `run`."""
+    return _CURRENT.get() is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _outside_run() -> Replica:
+    # One per process, so a loader iterated at the top level keeps its epoch.
+    return Replica(outside_run())
