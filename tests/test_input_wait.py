@@ -3,10 +3,12 @@ a cure that fits the samples (no uint8 or aug_transforms advice for feature rows
 import time
 
 import torch
+from torch.utils.data import Subset, TensorDataset
 
+import tpu_utility as tu
 from tpu_utility.replica import Replica, activate
 from tpu_utility.engines.local import Local
-from tpu_utility.input_wait import InputWait, Meter
+from tpu_utility.input_wait import InputWait, Meter, source_of
 from tpu_utility.loop import EpochStats, History
 from tpu_utility.reporting import XlaReport, hints
 
@@ -97,3 +99,24 @@ def test_a_real_loader_records_its_samples_and_gets_a_cure_for_rows():
     assert len(found) == 1 and "aug_transforms" not in found[0] and "uint8" not in found[0], found
     from tpu_utility.compat import runtime_started
     assert not runtime_started()
+
+
+def test_image_datasets_are_told_apart_by_what_their_class_says(tmp_path):
+    """source_of imports no dataset: tu's image datasets say that they decode files
+    (`decodes_image_files = True`), found under a Subset, and an epoch of a loader over
+    one records it, so report() advises presizing and caching."""
+    from PIL import Image
+    for label in ("cat", "dog"):
+        (tmp_path / label).mkdir()
+        Image.new("RGB", (8, 8)).save(tmp_path / label / "a.png")
+    images = tu.ImageFolderDataset(tmp_path)
+    assert source_of(Subset(images, [1, 0]), False) == "image files"
+    assert source_of(images, True) == "rows"  # what draws_no_randomness says comes first
+    assert source_of(Subset(TensorDataset(torch.zeros(2)), [0]), False) == "samples"
+
+    class Decoding(TensorDataset):
+        decodes_image_files = True
+    assert source_of(Decoding(torch.zeros(2)), False) == "image files"
+    with activate(Replica(Local())):
+        loader = tu.make_loader(Subset(images, [0, 1]), 1, num_workers=0)
+        assert sum(1 for _ in loader) == 2 and loader.input_wait.source == "image files"

@@ -6,8 +6,6 @@ import ast
 import os
 import re
 
-import pytest
-
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tpu_utility")
 
 
@@ -153,11 +151,9 @@ def test_the_engine_the_child_entry_and_the_loader_stay_small():
     assert engine.end_lineno - engine.lineno + 1 <= 170
     assert len(parameters(definition("engines/base.py", "Engine.start"))) - 1 <= 3  # besides cls
     assert len(parameters(definition("launcher.py", "_process_main"))) <= 2
-    loader = "data/loader.py" if os.path.isdir(os.path.join(PACKAGE, "data")) else "data.py"
-    assert len(parameters(definition(loader, "DeviceLoader.__init__"))) <= 2  # self, spec
+    assert len(parameters(definition("data/loader.py", "DeviceLoader.__init__"))) <= 2  # self, spec
 
 
-@pytest.mark.skipif(not os.path.isdir(os.path.join(PACKAGE, "data")), reason="data.py not split yet")
 def test_every_file_of_the_data_package_reads_in_a_few_minutes():
     sizes = {f: sum(1 for _ in open(os.path.join(PACKAGE, "data", f)))
              for f in os.listdir(os.path.join(PACKAGE, "data")) if f.endswith(".py")}

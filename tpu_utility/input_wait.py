@@ -115,16 +115,20 @@ def sample_of(batch) -> Optional[Tuple[Tuple[int, ...], str]]:
 
 def source_of(dataset, rows_only: bool) -> str:
     """What loading a sample of `dataset` does: "rows" (it only reads rows: `rows_only`),
-    "image files" (tu's image datasets, under any Subset) or "samples" (its own code)."""
-    from .images.datasets import ImageCsvDataset, ImageFolderDataset
+    "image files" (a class that says so with `decodes_image_files = True`, as tu's image
+    datasets do, under any Subset) or "samples" (its own code)."""
     if rows_only:
         return "rows"
     inner = dataset
     for _ in range(8):  # through Subset and other wrappers
-        if isinstance(inner, (ImageCsvDataset, ImageFolderDataset)) or not hasattr(inner, "dataset"):
+        if _decodes_image_files(inner) or not hasattr(inner, "dataset"):
             break
         inner = inner.dataset
-    return "image files" if isinstance(inner, (ImageCsvDataset, ImageFolderDataset)) else "samples"
+    return "image files" if _decodes_image_files(inner) else "samples"
+
+
+def _decodes_image_files(dataset) -> bool:
+    return getattr(type(dataset), "decodes_image_files", False) is True
 
 
 def worth_a_hint(wait: InputWait) -> bool:

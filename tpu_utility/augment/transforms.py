@@ -4,8 +4,9 @@
 in a fixed order: crop, affine and resize as one warp; flips; brightness, contrast and
 saturation; normalisation; cutout; mixup or cutmix. `Augment.evaluate` is the part that
 is not random (to float, resize, normalise), so evaluation batches look like training
-batches to the model. `make_loader(augment=...)` calls them on every batch, on the
-device, inside the step's graph.
+batches to the model. `make_loader(augment=...)` knows an Augment by three methods
+only: `keys` (each sample's key, made on the host as its batch loads), then `train_batch`
+or `eval_batch` on every batch, on the device, inside the step's graph.
 """
 from __future__ import annotations
 
@@ -55,7 +56,12 @@ class Augment:
     normalize: Optional[Tuple[Tuple[float, ...], Tuple[float, ...]]]
     pad_mode: str
 
-    # -- on a batch, as make_loader calls them ------------------------------------------------
+    # -- on a batch, as make_loader calls them (its DeviceTransform protocol) -----------------
+
+    def keys(self, seed: int, epoch: int, places: Sequence[int]):
+        """The int32 keys of the samples at `places` (in the epoch's global order) of epoch
+        `epoch`: made on the host, one op per batch, and uploaded with the batch."""
+        return draw.sample_keys(seed, epoch, places)
 
     def train_batch(self, batch, keys):
         """A training batch (images, or (images, target, ...)) augmented with `keys`."""
@@ -118,8 +124,7 @@ class Augment:
     def _normalized(self, x):
         if self.normalize is None:
             return x
-        from ..images.grid import normalize
-        return normalize(x, *self.normalize)
+        return ops.normalize(x, *self.normalize)
 
     def _warps(self, h: int, w: int) -> bool:
         affine = self.max_rotate > 0 or self.min_zoom != 1 or self.max_zoom != 1 or self.max_translate > 0
@@ -335,8 +340,7 @@ def _stats(normalize):
     if normalize is None:
         return None
     if normalize == "imagenet":
-        from ..images.grid import IMAGENET_MEAN, IMAGENET_STD
-        return IMAGENET_MEAN, IMAGENET_STD
+        return ops.IMAGENET_MEAN, ops.IMAGENET_STD
     try:
         mean, std = normalize
         return tuple(float(v) for v in mean), tuple(float(v) for v in std)

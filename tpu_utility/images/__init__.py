@@ -6,7 +6,8 @@ every epoch keeps it waiting. So:
   see presize.py;
 - `ImageCsvDataset` / `ImageFolderDataset` read the two common Kaggle layouts; see
   datasets.py;
-- `show_batch`, `normalize` and `denormalize` help look at and feed the result; see grid.py.
+- `show_batch`, `normalize` and `denormalize` help look at and feed the result; see grid.py
+  (the two normalisations live with the augmentation ops, augment/ops.py).
 
 To write every decoded (optionally augmented) sample once to disk, so an epoch copies
 arrays instead of decoding images, use `tpu_utility.cache.cache_dataset`: it caches any

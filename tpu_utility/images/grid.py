@@ -1,4 +1,5 @@
-"""Looking at batches: `normalize` and `denormalize` images, and `show_batch`'s labelled grid.
+"""Looking at batches: `show_batch`'s labelled grid; `normalize` and `denormalize` (defined with
+the augmentation ops, which normalise on the device too) are re-exported here.
 
 torch, numpy and Pillow are imported inside the functions, so `import tpu_utility` stays cheap.
 """
@@ -9,65 +10,11 @@ import math
 import os
 from typing import Mapping, Optional, Sequence, Union
 
+from ..augment.ops import IMAGENET_MEAN, IMAGENET_STD, denormalize, normalize
+
+__all__ = ["show_batch", "normalize", "denormalize", "IMAGENET_MEAN", "IMAGENET_STD"]
+
 PathLike = Union[str, "os.PathLike[str]"]
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-def _pixels_and_stats(x, mean, std, who: str):
-    """x as float (integer pixels scaled to 0..1), and mean and std as (C, 1, 1) tensors.
-
-    The constants are made on x's device at each call: a 3-value upload, and XLA sees the
-    same graph every step."""
-    import torch
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{who} expects a torch.Tensor, got {type(x).__name__}")
-    if x.dim() not in (3, 4):
-        raise ValueError(f"{who} expects CHW or NCHW images, got shape {tuple(x.shape)}")
-    x = x if x.is_floating_point() else x.to(torch.float32) / 255
-    stats = []
-    for name, values in (("mean", mean), ("std", std)):
-        values = [float(v) for v in ((values,) if isinstance(values, (int, float)) else values)]
-        if len(values) not in (1, x.shape[-3]):
-            raise ValueError(f"{name} has {len(values)} values but the images have "
-                             f"{x.shape[-3]} channels (dim -3 of shape {tuple(x.shape)})")
-        stats.append(torch.tensor(values, dtype=x.dtype, device=x.device).view(-1, 1, 1))
-    return x, stats[0], stats[1]
-
-
-def normalize(x, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD):
-    """`(x - mean) / std` per channel, for CHW or NCHW images (ImageNet statistics by default).
-
-    Integer (uint8) images are converted to float32 and scaled by 1/255 first; float16 and
-    bfloat16 stay in their dtype. It runs on x's device (an XLA batch stays on the TPU).
-
-    Example:
-        >>> import torch
-        >>> from tpu_utility.images import normalize
-        >>> x = torch.full((2, 3, 1, 1), 255, dtype=torch.uint8)
-        >>> normalize(x)[0, :, 0, 0]
-        tensor([2.2489, 2.4286, 2.6400])
-    """
-    x, m, s = _pixels_and_stats(x, mean, std, "normalize")
-    return (x - m) / s
-
-
-def denormalize(x, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD):
-    """Undo `normalize`: `x * std + mean` per channel, for CHW or NCHW images, on x's device.
-
-    The result is float, about 0..1 (`(y.clamp(0, 1) * 255).round().byte()` gives pixels);
-    integer input is scaled by 1/255 first, as in `normalize`.
-
-    Example:
-        >>> import torch
-        >>> from tpu_utility.images import denormalize, normalize
-        >>> x = torch.rand(3, 4, 4)
-        >>> torch.allclose(denormalize(normalize(x)), x, atol=1e-6)
-        True
-    """
-    x, m, s = _pixels_and_stats(x, mean, std, "denormalize")
-    return x * s + m
 
 
 def show_batch(dataset_or_loader, n: int = 16, path: Optional[PathLike] = None, *,

@@ -1,0 +1,48 @@
+"""What make_loader decides for a dataset it is not told about: whether to seed the random
+generators while it loads (`draws_no_randomness`) and how many DataLoader workers to give
+it (`default_workers`)."""
+from __future__ import annotations
+
+import os
+
+from .padded import PaddedDataset
+
+
+def draws_no_randomness(dataset) -> bool:
+    """Whether indexing `dataset` is known to draw no random numbers: tensors in memory
+    (`TensorDataset`), lists, `Subset`s and `ConcatDataset`s of such, and classes that say
+    so with a class attribute `draws_no_randomness = True` (`CachedDataset`). make_loader
+    neither seeds the generators for them nor gives them DataLoader workers by default.
+
+    Args:
+        dataset: a map-style dataset.
+    """
+    from torch.utils.data import ConcatDataset, Subset, TensorDataset
+    kind = type(dataset)
+    if getattr(kind, "draws_no_randomness", False) is True or kind in (list, tuple):
+        return True
+    if kind.__getitem__ is TensorDataset.__getitem__:
+        return True
+    if isinstance(dataset, (Subset, PaddedDataset)) and kind.__getitem__ in (
+            Subset.__getitem__, PaddedDataset.__getitem__):
+        return draws_no_randomness(dataset.dataset)
+    if isinstance(dataset, ConcatDataset) and kind.__getitem__ is ConcatDataset.__getitem__:
+        return all(draws_no_randomness(d) for d in dataset.datasets)
+    return False
+
+
+def default_workers(replicas_per_host: int = 1, rows_only: bool = False) -> int:
+    """DataLoader workers per replica: none for a dataset that only reads rows (in memory
+    or a cache: a worker adds a fork per epoch and a copy per batch, and 1 or 2 of them ran
+    at 0.72-0.80x of none at 8 SPMD devices on 2 cores, benchmarks/bench_workers.py);
+    otherwise the host's cores shared out, at most 4, and none when under 2 (one worker
+    lost to none there).
+
+    Args:
+        replicas_per_host: the replicas that share this host's cores.
+        rows_only: whether the dataset only reads rows (`draws_no_randomness`).
+    """
+    if rows_only:
+        return 0
+    n = min(4, (os.cpu_count() or 1) // max(1, replicas_per_host))
+    return n if n >= 2 else 0
