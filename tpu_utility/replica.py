@@ -31,6 +31,15 @@ _CURRENT: ContextVar[Optional["Replica"]] = ContextVar("tpu_utility_replica", de
 class Replica:
     """One replica's record: its engine and the state that belongs to it alone.
 
+    Example (outside `run`, the process's own replica on one device):
+        >>> import torch
+        >>> from tpu_utility import replica
+        >>> me = replica.current()
+        >>> me.engine.replicas, me.rng_moved, me.heartbeat is None
+        (1, False, True)
+        >>> me.optimizer_step  # doctest: +ELLIPSIS
+        <bound method Replica.optimizer_step of <replica of <engine ...>>>
+
     Args:
         engine: the backend this replica runs on.
         heartbeat: run's stall-watch slot for this replica's process, or None.
@@ -209,7 +218,21 @@ def _grads(params) -> list:
 
 @contextlib.contextmanager
 def activate(replica: Replica) -> Iterator[Replica]:
-    """Make `replica` the calling one (this thread, this context) inside the block."""
+    """Make `replica` the calling one (this thread, this context) inside the block: what
+    `run` does for each replica it starts.
+
+    Example:
+        >>> from tpu_utility import replica
+        >>> from tpu_utility.engines.local import Local
+        >>> with replica.activate(replica.Replica(Local())) as r:
+        ...     replica.current() is r, replica.in_run()
+        (True, True)
+        >>> replica.in_run()
+        False
+
+    Args:
+        replica: the record to make current.
+    """
     token = _CURRENT.set(replica)
     try:
         yield replica
@@ -218,13 +241,20 @@ def activate(replica: Replica) -> Iterator[Replica]:
 
 
 def current() -> Replica:
-    """The calling replica; outside `run`, this process's one replica on one device."""
+    """The calling replica; outside `run`, this process's one replica on one device
+    (the same record at every call, so a loader iterated at the top level keeps its epoch).
+
+    Example:
+        >>> from tpu_utility import replica
+        >>> replica.current() is replica.current()
+        True
+    """
     replica = _CURRENT.get()
     return replica if replica is not None else _outside_run()
 
 
 def in_run() -> bool:
-    """Whether the caller is a replica inside `run`."""
+    """Whether the caller is a replica inside `run` (see `activate` for an example)."""
     return _CURRENT.get() is not None
 
 
