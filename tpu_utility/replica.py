@@ -32,7 +32,6 @@ class Replica:
     """One replica's record: its engine and the state that belongs to it alone.
 
     Example (outside `run`, the process's own replica on one device):
-        >>> import torch
         >>> from tpu_utility import replica
         >>> me = replica.current()
         >>> me.engine.replicas, me.rng_moved, me.heartbeat is None
