@@ -211,7 +211,7 @@ KAGGLE_LOOP = """
     kaggle = tu.run(as_on_kaggle, cores=8, start_method="fork")
     fixed_report, read_counts = tu.run(fixed, cores=8, start_method="fork")
     print("RESULT", json.dumps({"kaggle": kaggle.hints, "fixed": fixed_report.hints,
-                                "reads": read_counts}))
+                                "reads": read_counts, "engine": str(kaggle).splitlines()[0]}))
 """
 
 
@@ -227,6 +227,9 @@ def test_report_names_the_costly_calls_and_their_lines(run_script, tmp_path):
     # depends on the machine: the input-wait hint has tests of its own, and is left out here.
     def costly(found):
         return [h for h in found if "waited for its next batch" not in h]
+    # report() names the engine that ran, as run()'s first line did
+    engine = "tpu_utility: engine 'spmd' on 8 device(s), one process; each batch split over the devices"
+    assert proc.result["engine"] == engine and proc.stdout.startswith(engine + "\n")
     hints = costly(proc.result["kaggle"])
     # 200 rows at 4 x 8 a step: 6 full steps and a short one of 8 rows, 2 epochs = 14 steps;
     # .item() twice a step (the loop's and GradScaler.step's); 96 / 32 = 3 valid batches x 2

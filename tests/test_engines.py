@@ -20,9 +20,10 @@ def host(accelerator="cpu", devices=8, xla="2.9.0", gpus=0):
 @pytest.mark.parametrize("info, cores, name", [
     (host(), 1, "single"),
     (host(), 8, "spmd"),                                   # XLA:CPU: SPMD, not replica threads
-    (host("v5litepod-8"), 8, "launch"),                    # Kaggle's v5e-8: a process per core
+    (host("v5litepod-8"), 8, "spmd"),                      # Kaggle's v5e-8: one process, 8 chips
     (host("v5litepod-8"), 1, "single"),
-    (host("v3-8"), 8, "launch"),                           # v3-8: 4 processes x 2 threads
+    (host("v3-8"), 8, "spmd"),                             # v3-8: was 4 processes x 2 threads
+    (host("v4-8", devices=4), 4, "spmd"),
     (host("v5litepod-1", devices=1), 1, "single"),         # Colab
     (host(xla=None), 8, "torch"),                          # no torch_xla, no GPU: one device
     (host(xla=None, gpus=1), 1, "torch"),
@@ -30,7 +31,38 @@ def host(accelerator="cpu", devices=8, xla="2.9.0", gpus=0):
     (host(xla=None, gpus=2), 1, "torch"),
 ])
 def test_automatic_choice(info, cores, name):
-    assert choose(cores, info).name == name
+    assert choose(cores, info, env={}).name == name
+
+
+@pytest.mark.parametrize("value, cores, name", [
+    ("launch", 8, "launch"), ("spmd", 8, "spmd"),
+    ("launch", 1, "single"),  # one core: no choice to make, the variable is not read
+    ("", 8, "spmd"),
+])
+def test_engine_from_the_environment(value, cores, name):
+    tpu = host("v5litepod-8")
+    assert choose(cores, tpu, env={"TPU_UTILITY_ENGINE": value}).name == name
+    assert choose(cores, tpu, "single" if cores == 1 else "spmd",
+                  env={"TPU_UTILITY_ENGINE": "launch"}).name != "launch"  # an argument wins
+    with pytest.raises(ValueError, match="TPU_UTILITY_ENGINE must be one of .*got 'lanch'"):
+        choose(8, tpu, env={"TPU_UTILITY_ENGINE": "lanch"})
+    with pytest.raises(ValueError, match="TPU_UTILITY_ENGINE=launch: engine='launch' on XLA:CPU"):
+        choose(8, host(), env={"TPU_UTILITY_ENGINE": "launch"})
+
+
+def test_the_first_line_names_the_engine_and_the_other():
+    from tpu_utility.engines import describe
+    tpu, cls = host("v5litepod-8"), choose(8, host("v5litepod-8"), env={})
+    assert describe(cls, tpu, 8) == (
+        "tpu_utility: engine 'spmd' on 8 device(s), one process; each batch split over the "
+        "devices; for one process per device, pass engine='launch' to run() or set "
+        "TPU_UTILITY_ENGINE=launch")
+    assert describe(REGISTRY["launch"], tpu, 8).endswith(
+        "for one process; each batch split over the devices, pass engine='spmd' to run() or "
+        "set TPU_UTILITY_ENGINE=spmd")
+    # on a CPU host the other cannot run 8 devices (its collectives hang): not offered
+    assert describe(REGISTRY["spmd"], host(), 8) == \
+        "tpu_utility: engine 'spmd' on 8 device(s), one process; each batch split over the devices"
 
 
 @pytest.mark.parametrize("info, cores, engine, message", [

@@ -17,9 +17,10 @@ KAGGLE_V5E = {"KAGGLE_KERNEL_RUN_TYPE": "Interactive", "TPU_PROCESS_ADDRESSES": 
 
 
 @pytest.mark.parametrize("device_id, chips, env, accelerator, devices, engine_8, hosts", [
-    ("0x0063", 8, KAGGLE_V5E, "v5litepod-8", 8, "launch", 1),         # Kaggle: 8 processes x 1 core
-    ("0x006f", 8, {}, "v6e-8", 8, "launch", 1),
-    ("0x005e", 4, {}, "v4-8", 4, None, 1),                            # 4 cores: cores=8 is refused
+    ("0x0063", 8, KAGGLE_V5E, "v5litepod-8", 8, "spmd", 1),   # Kaggle: one process, 8 chips
+    ("0x006f", 8, {}, "v6e-8", 8, "spmd", 1),
+    ("0x0027", 4, {}, "v3-8", 8, "spmd", 1),                   # was 4 processes x 2 threads
+    ("0x005e", 4, {}, "v4-8", 4, None, 1),                     # 4 cores: cores=8 is refused
     ("0x0062", 4, {}, "v5p-8", 4, None, 1),
     ("0x005e", 4, {"TPU_WORKER_HOSTNAMES": "10.0.0.2,10.0.0.3,10.0.0.4,10.0.0.5"}, "v4-8", 4, None, 4),
     ("0x0063", 4, {"TPU_ACCELERATOR_TYPE": "v5litepod-16"}, "v5litepod-16", 4, None, 4),
@@ -28,12 +29,24 @@ def test_tpu_layouts(tmp_path, device_id, chips, env, accelerator, devices, engi
     env = dict(env)
     info = setup_tpu(verbose=False, env=env, sysfs=fake_pci(tmp_path, [device_id] * chips))
     assert (info.accelerator, info.num_devices, info.hosts) == (accelerator, devices, hosts)
-    assert choose(1, info).name == "single" and choose(devices, info).name == "launch"
+    every = "spmd" if hosts == 1 else "launch"  # a pod: a process per device on every host
+    no_env = {}
+    assert choose(1, info, env=no_env).name == "single"
+    assert choose(devices, info, env=no_env).name == every
+    # asked for, by argument or by environment, the other engine runs every device
+    assert choose(devices, info, "launch", env=no_env).name == "launch"
+    assert choose(devices, info, env={"TPU_UTILITY_ENGINE": "launch"}).name == "launch"
+    if hosts == 1:
+        assert choose(devices, info, "spmd", env=no_env).name == "spmd"
+        assert choose(devices, info, env={"TPU_UTILITY_ENGINE": "spmd"}).name == "spmd"
+    else:
+        with pytest.raises(ValueError, match=f"a pod of {hosts} hosts: use engine='launch'"):
+            choose(devices, info, "spmd", env=no_env)
     if engine_8:
-        assert choose(8, info).name == engine_8
+        assert choose(8, info, env=no_env).name == engine_8
     else:
         with pytest.raises(ValueError, match=f"cores must be 1 or {devices}"):
-            choose(8, info)
+            choose(8, info, env=no_env)
     if hosts > 1:
         assert f"a pod of {hosts} hosts" in info.summary()
 
@@ -160,7 +173,7 @@ def test_torchtpu_choice_on_a_host_that_reports_tpu():
     with pytest.raises(ValueError, match="cores must be 1 or 8"):
         choose(4, info)
     with_xla = TpuInfo("gcp", "v6e-8", 8, "2.9.0", "2.9.0", "TPU", torchtpu="0.2.0", torch_reports_tpu=True)
-    assert choose(8, with_xla).name == "launch"  # torch_xla present: TorchTPU is not used
+    assert choose(8, with_xla, env={}).name == "spmd"  # torch_xla present: TorchTPU is not used
     with pytest.raises(ValueError, match="runs where torch_xla is not installed"):
         choose(8, with_xla, "torchtpu")
 

@@ -232,7 +232,7 @@ def test_port_of_a_tutorial_loop_finds_what_the_names_hide():
     assert "    test_loader = tu.make_loader(ds, **test_kwargs, train=False)\n" in result.text
     todo = dict(result.todo)
     assert "is False on a TPU host" in todo[at("use_accel = ")]
-    assert "each replica sums only its own share" in todo[at("total += ")] and "tu.gather" in todo[at("total += ")]
+    assert "batch by batch: a host transfer each" in todo[at("total += ")] and "tu.gather" in todo[at("total += ")]
     assert len(result.todo) == 2, result.todo
     compile(result.text, "ported", "exec")
     # a loader read in a function that also evaluates another one is still told apart

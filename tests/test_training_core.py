@@ -1,6 +1,7 @@
 """The converted CUDA script (examples/tpu_train.py) on 1 XLA device, on 8 SPMD devices
 and without torch_xla, each against a plain CPU torch reference; the loader's order and
 what its samples draw."""
+import pytest
 import torch
 
 
@@ -199,3 +200,32 @@ def test_default_workers_none_for_rows_in_memory_the_cores_otherwise():
     cores = min(4, os.cpu_count() or 1)
     assert tu.make_loader(_Drawing(), 4).loader.num_workers == (cores if cores >= 2 else 0)
     assert tu.make_loader(_Drawing(), 4, num_workers=1).loader.num_workers == 1
+
+
+@pytest.mark.parametrize("replicas, fed, cpus, workers", [
+    (1, 8, 224, 32),   # SPMD on a v5e-8 host: one process feeds 8 chips
+    (8, 1, 224, 4),    # one process per chip there: 4 each, 32 in all
+    (1, 8, 96, 32),    # a v3-8 host's 96 CPUs, SPMD
+    (8, 1, 96, 4),
+    (1, 8, 16, 16),    # fewer CPUs than 4 per chip: the host's CPUs
+    (1, 1, 44, 4),     # Colab's single chip
+    (1, 8, 1, 0),      # under 2: none
+])
+def test_default_workers_scale_with_the_devices_one_process_feeds(replicas, fed, cpus, workers):
+    from tpu_utility.data import default_workers
+    assert default_workers(replicas, fed_devices=fed, cpus=cpus) == workers
+    assert default_workers(replicas, True, fed_devices=fed, cpus=cpus) == 0  # rows in memory
+
+
+def test_spmd_on_a_tpu_adds_the_rng_flag_unless_the_user_named_it():
+    from tpu_utility.engines.xla_spmd import with_rng_flag
+    env = {}
+    with_rng_flag(env)
+    assert env == {"LIBTPU_INIT_ARGS": "--xla_tpu_spmd_rng_bit_generator_unsafe=true"}
+    env = {"LIBTPU_INIT_ARGS": "--xla_enable_async_all_gather=true"}
+    with_rng_flag(env)
+    assert env["LIBTPU_INIT_ARGS"] == ("--xla_enable_async_all_gather=true "
+                                       "--xla_tpu_spmd_rng_bit_generator_unsafe=true")
+    mine = {"LIBTPU_INIT_ARGS": "--xla_tpu_spmd_rng_bit_generator_unsafe=false"}
+    with_rng_flag(mine)
+    assert mine == {"LIBTPU_INIT_ARGS": "--xla_tpu_spmd_rng_bit_generator_unsafe=false"}

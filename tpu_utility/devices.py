@@ -35,7 +35,7 @@ def optimizer_step(opt, closure: Optional[Callable] = None, **step_kwargs: Any) 
     """The swap for `opt.step()` (and `opt.step(closure)`): averages gradients over
     replicas first when needed.
 
-    With one replica per core (a TPU v5e-8's 8 processes, or the "distributed" engine)
+    With one replica per core (engine "launch": a TPU v5e-8's 8 processes; or "distributed")
     the gradients are averaged over replicas, and before an optimizer's first step
     every replica takes the master's parameters, so replicas that drew different initial
     weights still train one model; then each replica's random streams move apart (the

@@ -66,24 +66,35 @@ def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), 
         stall_timeout: Optional[float] = DEFAULT_STALL_S) -> Any:
     """Run `train_fn(*args)` on one core or on all of them and return its result on CPU.
 
-    `cores=1` runs on one device; `cores=8` (all devices) runs one replica per TPU core,
-    or on a CPU host, SPMD over 8 virtual devices; on a host with N CUDA GPUs and no
-    torch_xla, `cores=N` runs one process per GPU. train_fn uses `get_device`,
-    `make_loader` and `optimizer_step`, and runs unchanged under every engine.
-    `engine=` names one instead ("single", "spmd", "launch", "distributed", "torch").
+    `cores=1` runs on one device. `cores=8` (every device of the host) runs SPMD: one
+    process, each global batch of `batch_size x 8` rows split over the 8 devices (TPU
+    chips, or on a CPU host 8 virtual devices), BatchNorm seeing all of it. On a host with
+    N CUDA GPUs and no torch_xla, `cores=N` runs one process per GPU. train_fn uses
+    `get_device`, `make_loader` and `optimizer_step`, and runs unchanged under every
+    engine. A run on more than one core prints a first line naming its engine and how to
+    pick the other.
 
     train_fn runs in child processes (`fork` in notebooks, `spawn` in scripts, so guard
     scripts with `if __name__ == "__main__":`), so this process never holds the XLA
     runtime: a `cores=1` run, then a `cores=8` run, work in one notebook kernel. What
     train_fn returns on the master replica comes back with its tensors on CPU (a model as a
-    CPU copy). An error
-    in any replica is re-raised here with that replica's traceback and every replica is
-    stopped; `timeout` (seconds) bounds the whole run. When no replica gets a batch or
-    finishes an optimizer step for `stall_timeout` seconds (30 minutes; None: never), the
-    replicas' Python stacks are dumped and the run stops with `Stalled`, which names the
-    line each replica waits on. Replicas die with this process,
-    whatever ends it (SIGTERM, SIGKILL, a kernel restart). Without torch_xla, one device
-    runs here, in this process.
+    CPU copy). An error in any replica is re-raised here with that replica's traceback and
+    every replica is stopped. Replicas die with this process, whatever ends it (SIGTERM,
+    SIGKILL, a kernel restart). Without torch_xla, one device runs here, in this process.
+
+    Args:
+        train_fn: the training function; a module-level function for `spawn`.
+        cores: 1, or every device of the host (8 on a v5e-8, 4 on a v4-8).
+        args: positional arguments for train_fn.
+        engine: None (the host's choice), or "single", "spmd", "launch" (one process per
+            TPU core, as torch_xla.launch runs them), "distributed" or "torch". For runs on
+            more than one core, the environment variable TPU_UTILITY_ENGINE names one when
+            this is None, so a script switches without an edit.
+        start_method: "fork" or "spawn"; None: fork in notebooks, spawn in scripts.
+        timeout: seconds that bound the whole run; None: no bound.
+        stall_timeout: when no replica gets a batch or finishes an optimizer step for this
+            many seconds (30 minutes; None: never), the replicas' Python stacks are dumped
+            and the run stops with `Stalled`, which names the line each replica waits on.
 
     Example:
         >>> import torch, tpu_utility as tu
@@ -102,6 +113,8 @@ def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), 
     stall_timeout = check_stall_timeout(stall_timeout)
     info = setup_tpu(verbose=False)
     cls = engines.choose(cores, info, engine)
+    if cores > 1:
+        print(engines.describe(cls, info, cores), flush=True)
     if start_method is not None and start_method not in cls.start_methods:
         raise ValueError(f"engine {cls.name!r} starts its processes with "
                          f"{' or '.join(cls.start_methods)}, not start_method={start_method!r}")

@@ -948,7 +948,7 @@ class _Notes:
 
     def host_read(self, node, attr: str) -> None:
         """A tensor read on the host in a loop: every training step, or batch by batch in
-        an evaluation loop (where each replica sees only its own share)."""
+        an evaluation loop (where under engine="launch" each replica sees only its own share)."""
         if node.args:
             return
         facts, code = self.facts, self.edits.source(node)
@@ -959,13 +959,14 @@ class _Notes:
         elif attr in HOST_READS and facts.inside_loop(node, facts.other_loops) and \
                 self._first_read_in_loop(node):
             self.add(node.lineno, f"`{code}` collects evaluation results on the host batch by "
-                     f"batch: with one replica per core (a TPU) each replica has only its own "
-                     f"share; collect on the device and use tu.gather(torch.cat(outputs), "
-                     f"loader), then tu.to_cpu once")
+                     f"batch: each read waits for the device, and at cores=8 (SPMD) compiles "
+                     f"a program that gathers the split batch (with engine='launch', each "
+                     f"replica has only its own share); collect on the device and use "
+                     f"tu.gather(torch.cat(outputs), loader), then tu.to_cpu once")
         elif attr == "item" and facts.inside_loop(node, facts.other_loops):
-            self.add(node.lineno, f"`{code}` sums an evaluation batch by batch: with one "
-                     f"replica per core (a TPU) each replica sums only its own share of the "
-                     f"data; collect the outputs and targets and use "
+            self.add(node.lineno, f"`{code}` sums an evaluation batch by batch: a host "
+                     f"transfer each (and with engine='launch', each replica sums only its "
+                     f"own share of the data); collect the outputs and targets and use "
                      f"tu.gather(torch.cat(outputs), loader), then read once")
 
     def _first_read_in_loop(self, node) -> bool:

@@ -24,9 +24,11 @@ class XlaReport:
     sharded_reads: int = 0  # compiles of torch_xla's program that reads a tensor split over devices
     scaler_steps: int = 0  # steps of torch's GradScaler on XLA (xla::_amp_update_scale_)
     hints: List[str] = field(default_factory=list)
+    engine: str = ""  # the engine that ran, and how to pick the other (run()'s first line)
 
     def __str__(self) -> str:
-        lines = [f"XLA: {self.compiles} compiles ({self.compile_s:.1f} s), {self.executions} "
+        lines = [self.engine] if self.engine else []
+        lines += [f"XLA: {self.compiles} compiles ({self.compile_s:.1f} s), {self.executions} "
                  f"executions, {self.transfers} device-to-host transfers"]
         if self.fallbacks:
             ops = ", ".join(f"{k} x{v}" for k, v in sorted(self.fallbacks.items()))
@@ -71,10 +73,23 @@ def report(history=None, *, verbose: bool = True) -> XlaReport:
     except Exception:  # a diagnostic never fails the run it reports on
         sites, loaders, waits = [], [], []
     rep.hints = hints(rep, history, sites, loaders, waits)
+    rep.engine = _engine_line()
     if verbose:
         from .devices import master_print
         master_print(str(rep))
     return rep
+
+
+def _engine_line() -> str:
+    from . import engines
+    from .environment import setup_tpu
+    from .replica import current
+    engine = current().engine
+    try:  # a copy of the environment: detecting the host again changes nothing here
+        info = setup_tpu(verbose=False, env=dict(os.environ))
+    except Exception:  # a diagnostic never fails the run it reports on
+        return ""
+    return engines.describe(type(engine), info, engine.world_size)
 
 
 def caller_code(frame) -> Tuple[List[Tuple[str, str, str]], List[Tuple[str, int, int]], list]:
@@ -139,7 +154,9 @@ def hints(rep: XlaReport, history=None, sites=(), loaders=(), waits=()) -> List[
     if wait is not None and worth_a_hint(wait):
         from .data import default_workers
         from .replica import current
-        out.append(cure(wait, default_workers(current().engine.local_replicas)))
+        engine = current().engine
+        out.append(cure(wait, default_workers(engine.local_replicas,
+                                              fed_devices=engine.fed_devices)))
     epochs = list(getattr(history, "epochs", None) or [])
     later = [e.compiles for e in epochs[1:]]
     graphs = rep.compiles - rep.sharded_reads  # the reads' compiles get their own hint

@@ -45,7 +45,8 @@ def build(spec: "LoaderSpec", engine) -> Any:
                                           drop_last=spec.drop_last))
     workers = spec.num_workers
     if workers is None:
-        workers = default_workers(engine.local_replicas, rows_only)
+        workers = default_workers(engine.local_replicas, rows_only,
+                                  fed_devices=engine.fed_devices)
     # No persistent workers (persistent_workers=True is taken and not kept): a valid
     # loader's workers, forked while the train loader's stay alive, inherit its
     # iterator and fail on it at exit.

@@ -4,6 +4,7 @@ it (`default_workers`)."""
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 from .padded import PaddedDataset
 
@@ -31,18 +32,31 @@ def draws_no_randomness(dataset) -> bool:
     return False
 
 
-def default_workers(replicas_per_host: int = 1, rows_only: bool = False) -> int:
+def default_workers(replicas_per_host: int = 1, rows_only: bool = False, *,
+                    fed_devices: int = 1, cpus: Optional[int] = None) -> int:
     """DataLoader workers per replica: none for a dataset that only reads rows (in memory
     or a cache: a worker adds a fork per epoch and a copy per batch, and 1 or 2 of them ran
     at 0.72-0.80x of none at 8 SPMD devices on 2 cores, benchmarks/bench_workers.py);
-    otherwise the host's cores shared out, at most 4, and none when under 2 (one worker
-    lost to none there).
+    otherwise 4 for each device the replica feeds, at most its share of the host's cores,
+    and none when that is under 2 (one worker lost to none there).
+
+    Under SPMD on a TPU one process feeds every chip, so a v5e-8 host (224 CPUs) gets
+    min(4 x 8, 224) = 32 workers: what one process per chip got together (8 x 4). On
+    XLA:CPU the devices are the host's own cores, so they count as one.
 
     Args:
         replicas_per_host: the replicas that share this host's cores.
         rows_only: whether the dataset only reads rows (`draws_no_randomness`).
+        fed_devices: the accelerator devices each replica's batches go to.
+        cpus: the host's CPU count; None: os.cpu_count().
+
+    Example:
+        >>> from tpu_utility.data import default_workers
+        >>> default_workers(1, fed_devices=8, cpus=224), default_workers(8, cpus=224)
+        (32, 4)
     """
     if rows_only:
         return 0
-    n = min(4, (os.cpu_count() or 1) // max(1, replicas_per_host))
+    share = (cpus or os.cpu_count() or 1) // max(1, replicas_per_host)
+    n = min(4 * max(1, fed_devices), share)
     return n if n >= 2 else 0

@@ -27,11 +27,13 @@ class Engine:
     """
 
     name: str = ""
+    about: str = ""  # what a run with it looks like, in a few words (the run's first line)
     start_methods: Tuple[str, ...] = ("fork", "spawn")  # how its child processes may start
     world_size: int = 1
     replicas: int = 1
     rank: int = 0
     local_replicas: int = 1  # replicas on this host, which share its CPU cores
+    fed_devices: int = 1  # accelerator devices this replica's input pipeline feeds
     thread_index: int = 0  # this replica's place among replica threads of one process
 
     # -- the launching side: classmethods, run in the caller; none starts a runtime ----------

@@ -32,6 +32,7 @@ class _Setup:
 
 class Distributed(Engine):
     name = "distributed"
+    about = "one process per replica over torch.distributed"
 
     @classmethod
     def automatic(cls, info, cores) -> bool:

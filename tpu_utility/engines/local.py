@@ -8,6 +8,7 @@ class Local(Engine):
     """One device in the caller's process: what a CUDA script did before the swaps."""
 
     name = "torch"
+    about = "one device, in this process"
 
     @classmethod
     def automatic(cls, info, cores) -> bool:

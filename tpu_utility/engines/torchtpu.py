@@ -20,6 +20,7 @@ from .distributed import Distributed
 
 class TorchTpu(Distributed):
     name = "torchtpu"
+    about = "one process per chip on TorchTPU"
     start_methods = ("spawn",)
 
     @classmethod

@@ -1,9 +1,10 @@
 """Engine "launch": one replica per XLA device, as `torch_xla.launch` runs them.
 
-A TPU v5e-8 or v6e-8 runs 8 processes of one device each; a v2/v3 runs 4 processes of
-two threads each, so a replica is a thread and has an engine of its own. Collectives
-are torch_xla's, inside the step's graph. On XLA:CPU they hang between replicas
-(pytorch/xla#5005), so there this engine runs only with one device; the
+The default on TPU pods only; on one host `engine="launch"` (or TPU_UTILITY_ENGINE=launch)
+picks it over "spmd". A TPU v5e-8 or v6e-8 runs 8 processes of one device each; a v2/v3
+runs 4 processes of two threads each, so a replica is a thread and has an engine of its
+own. Collectives are torch_xla's, inside the step's graph. On XLA:CPU they hang between
+replicas (pytorch/xla#5005), so there this engine runs only with one device; the
 "distributed" engine proves the same multi-replica code with real collectives.
 """
 from __future__ import annotations
@@ -13,10 +14,11 @@ from .xla_single import XlaSetup, XlaSingle
 
 class XlaReplicas(XlaSingle):
     name = "launch"
+    about = "one process per device"
 
     @classmethod
-    def automatic(cls, info, cores) -> bool:
-        return info.has_xla and info.has_tpu and cores == info.num_devices > 1
+    def automatic(cls, info, cores) -> bool:  # a pod: every host runs its own processes
+        return info.has_xla and info.has_tpu and info.hosts > 1 and cores == info.num_devices > 1
 
     @classmethod
     def supports(cls, info, cores):

@@ -30,6 +30,7 @@ class XlaSingle(Engine):
     """One replica on one XLA device."""
 
     name = "single"
+    about = "one device"
 
     @classmethod
     def automatic(cls, info, cores) -> bool:

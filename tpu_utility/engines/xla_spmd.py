@@ -1,8 +1,12 @@
 """Engine "spmd": one process drives every XLA device; each batch is sharded over them.
 
-This is real data parallelism on XLA:CPU too, where collectives between replica
-threads hang upstream (pytorch/xla#5005): gradients come out global, so there is one
-replica and nothing to reduce.
+The default for `cores` = every device of one host, TPU or CPU, as torch_xla's own data
+parallel example recommends: one process traces each step once and holds one copy of the
+dataset, and gradients come out global, so there is one replica and nothing to reduce.
+It is also real data parallelism on XLA:CPU, where collectives between replica threads
+hang upstream (pytorch/xla#5005), so it is the multi-device path the tests run.
+BatchNorm sees the whole global batch, as SyncBatchNorm would (docs/measured.md audits
+what XLA's partitioner makes of each layer).
 """
 from __future__ import annotations
 
@@ -13,13 +17,17 @@ from .xla_single import XlaSetup, XlaSingle
 
 class XlaSpmd(XlaSingle):
     name = "spmd"
+    about = "one process; each batch split over the devices"
 
     @classmethod
     def automatic(cls, info, cores) -> bool:
-        return info.has_xla and not info.has_tpu and cores == info.num_devices > 1
+        return info.has_xla and info.hosts == 1 and cores == info.num_devices > 1
 
     @classmethod
     def supports(cls, info, cores):
+        if info.hosts > 1:  # a mesh over every host's devices is not what `cores` counts
+            return (f"engine='spmd' runs on one host, and this TPU is a pod of {info.hosts} "
+                    f"hosts: use engine='launch' (the default here)")
         return cls._every_device(info, cores)
 
     @classmethod
@@ -35,6 +43,8 @@ class XlaSpmd(XlaSingle):
         from ..compat import quiet_spmd_on_cpu, use_compile_cache
         if os.environ.get("PJRT_DEVICE") == "CPU":  # read once, when the runtime starts
             os.environ["CPU_NUM_DEVICES"] = str(setup.devices)
+        if os.environ.get("PJRT_DEVICE") == "TPU":
+            with_rng_flag(os.environ)
         quiet_spmd_on_cpu()
         use_compile_cache(setup.cache)
         import numpy as np
@@ -49,8 +59,11 @@ class XlaSpmd(XlaSingle):
         body(cls(mesh, n, xr.process_index()))
 
     def __init__(self, mesh, devices: int, process_index: int):
+        import torch_xla.runtime as xr
         self.mesh, self.world_size = mesh, devices
         self.rank = process_index  # one controller per host: host 0 prints and saves
+        # On XLA:CPU the devices are this host's own cores, busy computing.
+        self.fed_devices = devices if xr.device_type() != "CPU" else 1
 
     def shard(self):
         return 1, 0  # one replica reads every global batch; the devices split it
@@ -69,6 +82,20 @@ class XlaSpmd(XlaSingle):
         # Replicated, as the step's own outputs are, so a second call reuses the graphs.
         xs.mark_sharding(t, self.mesh, (None,) * t.dim())
         return t
+
+
+RNG_FLAG = "--xla_tpu_spmd_rng_bit_generator_unsafe"
+
+
+def with_rng_flag(env) -> None:
+    """Add `--xla_tpu_spmd_rng_bit_generator_unsafe=true` to LIBTPU_INIT_ARGS unless the
+    user's value names that flag: without it each chip draws the random bits of the whole
+    global batch (a dropout mask per layer) and keeps its slice (pytorch/xla#7813); with it,
+    each chip draws only its own. "Unsafe" means the bits differ from one device's, not
+    that they repeat. torch_xla's own SPMD configs and MaxText set it."""
+    args = env.get("LIBTPU_INIT_ARGS", "")
+    if RNG_FLAG not in args:
+        env["LIBTPU_INIT_ARGS"] = f"{args} {RNG_FLAG}=true".strip()
 
 
 class _BatchSharding:

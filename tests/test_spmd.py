@@ -1,0 +1,114 @@
+"""What SPMD over 8 devices, the default for every device of one host, means for the
+layers that look across the batch: BatchNorm normalises over the global batch (its
+running statistics equal one device's fed the same rows, and plain CPU torch's), and
+dropout draws a mask for every row, without repeating one device's slice on the others.
+The run's first line names the engine and how to pick the other."""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+import tpu_utility as tu
+
+ROWS, GLOBAL_BATCH, STEPS = 64, 32, 2
+
+
+def bn_data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(ROWS, 3, 6, 6, generator=g) * 2 + 1, torch.randint(0, 3, (ROWS,), generator=g)
+
+
+def bn_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(64, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def bn_train():
+    """STEPS steps of SGD on global batches of GLOBAL_BATCH rows, whatever the core count."""
+    model = bn_model().to(tu.get_device())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = tu.make_loader(TensorDataset(*bn_data()), GLOBAL_BATCH // tu.world_size(),
+                            num_workers=0)
+    rows = []
+    for step, (x, y) in zip(range(STEPS), loader):
+        rows.append(x.shape[0])
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        tu.optimizer_step(opt)
+    return {"rows": rows, "state": model.state_dict()}
+
+
+def bn_reference():
+    """Plain CPU torch, the order make_loader promises: randperm(ROWS, seed 0), cut. Also
+    each BatchNorm's running variance from the biased batch variance, which torch_xla
+    uses (1 device or 8) where torch uses the unbiased one: {name: tensor}."""
+    model = bn_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = bn_data()
+    order = torch.randperm(ROWS, generator=torch.Generator().manual_seed(0))
+    biased = {}
+
+    def track(name):
+        def hook(module, inputs, output):
+            dims = [d for d in range(inputs[0].dim()) if d != 1]
+            var = inputs[0].detach().var(dim=dims, unbiased=False)
+            biased[name] = (1 - module.momentum) * biased.get(name, 1.0) + module.momentum * var
+        return hook
+    for name in ("1", "5"):
+        model.get_submodule(name).register_forward_hook(track(name))
+    for step in range(STEPS):
+        idx = order[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH]
+        opt.zero_grad()
+        F.cross_entropy(model(x[idx]), y[idx]).backward()
+        opt.step()
+    return model.state_dict(), biased
+
+
+def dropout_masks():
+    """Two dropout masks over a global batch of 64 rows that make_loader split over the
+    devices; where each device's slice starts, and the row count."""
+    loader = tu.make_loader(TensorDataset(torch.ones(64, 256)), 64 // tu.world_size(),
+                            num_workers=0)
+    (x,) = next(iter(loader))
+    first, second = F.dropout(x, 0.5), F.dropout(x, 0.5)
+    return {"masks": tu.to_cpu(torch.stack([first, second])), "rows": x.shape[0]}
+
+
+def test_batchnorm_statistics_at_8_devices_are_the_global_batchs(run_script, tmp_path):
+    proc = run_script("""
+        import json, torch, tpu_utility as tu
+        from test_spmd import bn_train, dropout_masks
+        out = {"one": tu.run(bn_train, cores=1, start_method="fork"),
+               "eight": tu.run(bn_train, cores=8, start_method="fork"),
+               "drop": tu.run(dropout_masks, cores=8, start_method="fork")}
+        torch.save(out, "out.pt")
+        print("RESULT", json.dumps({"ok": True}))
+    """)
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert ("tpu_utility: engine 'spmd' on 8 device(s), one process; each batch split over "
+            "the devices") in proc.stdout.splitlines(), proc.stdout  # the 8-device run's line
+    (one, eight), (ref, biased) = (out["one"], out["eight"]), bn_reference()
+    assert one["rows"] == eight["rows"] == [GLOBAL_BATCH] * STEPS  # one batch: 4 rows x 8 devices
+    for layer in ("1", "5"):  # BatchNorm2d, BatchNorm1d
+        for stat in ("running_mean", "running_var"):
+            name = f"{layer}.{stat}"
+            torch.testing.assert_close(eight["state"][name], one["state"][name], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(eight["state"][f"{layer}.running_mean"],
+                                   ref[f"{layer}.running_mean"], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(eight["state"][f"{layer}.running_var"], biased[layer],
+                                   rtol=1e-4, atol=1e-6)
+        assert int(eight["state"][f"{layer}.num_batches_tracked"]) == STEPS
+    for name, value in ref.items():  # every weight after the two steps
+        if "running" not in name:
+            torch.testing.assert_close(eight["state"][name].float(), value.float(), rtol=1e-4,
+                                       atol=1e-5)
+
+    drop = out["drop"]
+    masks, rows = drop["masks"].ne(0), drop["rows"]
+    assert rows == 64 and set(drop["masks"].unique().tolist()) <= {0.0, 2.0}
+    for mask in masks:
+        assert abs(mask.float().mean().item() - 0.5) < 0.05
+        slices = mask.reshape(8, 8, 256)  # each device's 8 rows
+        assert all(not torch.equal(slices[a], slices[b]) for a in range(8) for b in range(a))
+    assert not torch.equal(masks[0], masks[1])  # each call draws anew
