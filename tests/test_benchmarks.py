@@ -89,3 +89,13 @@ def test_bench_augment_smoke():
     assert len(rows) == 3, out
     assert [row[-1] for row in rows] == ["0", "0", "0"], out  # nothing compiles in the timed steps
     assert "executed fallback ops (run on the host): none" in out
+
+
+def test_bench_engines_tpu_starts_and_refuses_a_host_without_a_tpu():
+    """It needs a TPU (spmd against launch at 8 devices); here it must stop at once, in one
+    sentence. Its `--cpu-smoke` (both engines at 1 device, ~45 s) is run by hand."""
+    proc = run_process([sys.executable, str(ROOT / "benchmarks" / "bench_engines_tpu.py")],
+                       cwd=ROOT, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "bench_engines_tpu.py needs a TPU host: found no TPU chips (platform cpu)"), proc.stderr
