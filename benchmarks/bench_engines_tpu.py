@@ -46,6 +46,9 @@ Cloud TPU VM (e.g. v5litepod-8, v6e-8, v4-8):
 Paste back the whole stdout (the header line names the host and the versions, then the
 table) and engines.json. Expected run time on a v5e-8: about 20-40 minutes for the default
 3 rounds (18 jobs, each mostly process start and compiles); `--rounds 1` for a first look.
+To see what the "spmd" engine's BatchNorm and LayerNorm written as reductions do on a TPU
+(tpu_utility/engines/spmd_norms.py), run it once more with TPU_UTILITY_SPMD_NORMS=0 in the
+environment (torch_xla's own; the children inherit it) and compare the spmd columns.
 Without a TPU it exits with status 2. `--cpu-smoke` runs the whole pipeline on XLA:CPU at
 cores=1 with tiny workloads and one round (about 40 s on 2 cores): it tests the plumbing.
 """

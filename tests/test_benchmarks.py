@@ -99,3 +99,13 @@ def test_bench_engines_tpu_starts_and_refuses_a_host_without_a_tpu():
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(
         "bench_engines_tpu.py needs a TPU host: found no TPU chips (platform cpu)"), proc.stderr
+
+
+def test_bench_spmd_audit_smoke():
+    """One model of the audit (a BatchNorm CNN, torch_xla's own BatchNorm): the dumps are
+    found and read; its BatchNorms gather the global batch (the count, not a time)."""
+    out = bench("bench_spmd_audit.py", "--quick")
+    (row,) = [line for line in out.splitlines() if line.startswith("| bn_cnn |")]
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[1].startswith("all-reduce") and "all-gather 2" in cells[1], out
+    assert cells[2].startswith("2: ") and cells[3] == "0", out

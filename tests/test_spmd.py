@@ -21,7 +21,8 @@ def bn_data():
 def bn_model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
-                         nn.Linear(64, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+                         nn.Linear(64, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.LayerNorm(8),
+                         nn.Linear(8, 3))
 
 
 def bn_train():
@@ -75,34 +76,101 @@ def dropout_masks():
     return {"masks": tu.to_cpu(torch.stack([first, second])), "rows": x.shape[0]}
 
 
-def test_batchnorm_statistics_at_8_devices_are_the_global_batchs(run_script, tmp_path):
+def norm_cases():
+    """The engine's BatchNorm and LayerNorm against torch_xla's own on one XLA device, and
+    the running statistics against CPU torch's: {case: (dtype, native dtype, max diff)}."""
+    import torch_xla
+    from tpu_utility.engines.spmd_norms import _batch_norm, _layer_norm
+    d, out = torch_xla.device(), {}
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for autocast in (False, True):
+            for shape in ((6, 3), (6, 3, 4, 5)):
+                x = torch.randn(*shape) * 3 + 1
+                w, b = torch.rand(3) + 0.5, torch.randn(3)
+                for training in (True, False):
+                    for affine in (True, False):
+                        stats = [torch.randn(3), torch.rand(3) + 0.5]
+                        mine_stats = [t.to(d) for t in stats]
+                        args = [w.to(d), b.to(d)] if affine else [None, None]
+                        with torch.autocast("xla", torch.bfloat16, enabled=autocast):
+                            mine = _batch_norm(x.to(d, dtype), *mine_stats, *args, training, 0.1, 1e-5)
+                            native = F.batch_norm(x.to(d, dtype), *[t.to(d) for t in stats], *args,
+                                                  training, 0.1, 1e-5)
+                        cpu = F.batch_norm(x.to(dtype).float(), *stats, *(a if a is None else a.cpu() for a in args),
+                                           training, 0.1, 1e-5)  # torch's running statistics
+                        key = f"bn {dtype} autocast={autocast} {len(shape)}d train={training} affine={affine}"
+                        try:
+                            native_dtype, native = str(native.dtype), native.cpu().float()
+                        except RuntimeError:  # bf16 in eval, no autocast: torch_xla's fails
+                            native_dtype, native = str(dtype), cpu  # (mixed precision in HLO)
+                        out[key] = (str(mine.dtype), native_dtype,
+                                    (mine.cpu().float() - native).abs().max().item(),
+                                    max((m.cpu() - c).abs().max().item() for m, c in zip(mine_stats, stats)))
+            x = torch.randn(2, 5, 8)
+            lw, lb = torch.rand(8) + 0.5, torch.randn(8)
+            for affine in (True, False):
+                args = [lw.to(d), lb.to(d)] if affine else [None, None]
+                with torch.autocast("xla", torch.bfloat16, enabled=autocast):
+                    mine = _layer_norm(x.to(d, dtype), (8,), *args, 1e-5)
+                    native = F.layer_norm(x.to(d, dtype), (8,), *args, 1e-5)
+                out[f"ln {dtype} autocast={autocast} affine={affine}"] = (
+                    str(mine.dtype), str(native.dtype), (mine.float() - native.float()).abs().max().item(), 0.0)
+    return out
+
+
+def all_gathers(folder):
+    """all-gather instructions in the programs XLA ran (its dumps after optimization)."""
+    import glob
+    import re
+    return sum(len(re.findall(r"= \S+ all-gather(?:-start)?\(", open(f).read()))
+               for f in glob.glob(f"{folder}/*after_optimizations.txt"))
+
+
+def test_batchnorm_at_8_devices_is_the_global_batchs_and_is_split(run_script, tmp_path):
     proc = run_script("""
-        import json, torch, tpu_utility as tu
+        import json, os, torch, tpu_utility as tu
         from test_spmd import bn_train, dropout_masks
-        out = {"one": tu.run(bn_train, cores=1, start_method="fork"),
-               "eight": tu.run(bn_train, cores=8, start_method="fork"),
-               "drop": tu.run(dropout_masks, cores=8, start_method="fork")}
+        out = {"one": tu.run(bn_train, cores=1, start_method="fork")}
+        os.environ["XLA_FLAGS"] = "--xla_dump_to=dump --xla_dump_hlo_as_text"
+        out["eight"] = tu.run(bn_train, cores=8, start_method="fork")
+        os.environ.update(XLA_FLAGS="--xla_dump_to=native --xla_dump_hlo_as_text",
+                          TPU_UTILITY_SPMD_NORMS="0")  # torch_xla's own norms, for contrast
+        tu.run(bn_train, cores=8, start_method="fork")
+        del os.environ["XLA_FLAGS"], os.environ["TPU_UTILITY_SPMD_NORMS"]
+        out["drop"] = tu.run(dropout_masks, cores=8, start_method="fork")
+        from test_spmd import norm_cases
+        out["norms"] = norm_cases()  # here, after the runs: this process's own XLA device
         torch.save(out, "out.pt")
         print("RESULT", json.dumps({"ok": True}))
     """)
     out = torch.load(tmp_path / "out.pt", weights_only=True)
     assert ("tpu_utility: engine 'spmd' on 8 device(s), one process; each batch split over "
             "the devices") in proc.stdout.splitlines(), proc.stdout  # the 8-device run's line
+    # torch_xla's own BatchNorm and LayerNorm gather the global batch onto every device
+    # (benchmarks/bench_spmd_audit.py): under the engine nothing is gathered, only reduced
+    assert all_gathers(tmp_path / "dump") == 0 and all_gathers(tmp_path / "native") >= 3
     (one, eight), (ref, biased) = (out["one"], out["eight"]), bn_reference()
     assert one["rows"] == eight["rows"] == [GLOBAL_BATCH] * STEPS  # one batch: 4 rows x 8 devices
-    for layer in ("1", "5"):  # BatchNorm2d, BatchNorm1d
-        for stat in ("running_mean", "running_var"):
-            name = f"{layer}.{stat}"
-            torch.testing.assert_close(eight["state"][name], one["state"][name], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(eight["state"][f"{layer}.running_mean"],
-                                   ref[f"{layer}.running_mean"], rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(eight["state"][f"{layer}.running_var"], biased[layer],
-                                   rtol=1e-4, atol=1e-6)
+    for layer in ("1", "5"):  # BatchNorm2d, BatchNorm1d: the global batch's statistics
+        mean, var = f"{layer}.running_mean", f"{layer}.running_var"
+        torch.testing.assert_close(eight["state"][mean], one["state"][mean], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(eight["state"][mean], ref[mean], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(eight["state"][var], ref[var], rtol=1e-5, atol=1e-6)
+        # one device keeps torch_xla's own, from the biased batch variance
+        torch.testing.assert_close(one["state"][var], biased[layer], rtol=1e-5, atol=1e-6)
         assert int(eight["state"][f"{layer}.num_batches_tracked"]) == STEPS
     for name, value in ref.items():  # every weight after the two steps
         if "running" not in name:
             torch.testing.assert_close(eight["state"][name].float(), value.float(), rtol=1e-4,
                                        atol=1e-5)
+            torch.testing.assert_close(one["state"][name].float(), value.float(), rtol=1e-4,
+                                       atol=1e-5)
+
+    for case, (dtype, native, diff, stats) in out["norms"].items():
+        assert dtype == native, case  # the dtype torch_xla's own gives, autocast or not
+        assert diff < (0.05 if "bfloat16" in case + dtype else 1e-5), (case, diff)
+        assert stats < 1e-5, (case, stats)  # running statistics as CPU torch's (unbiased)
 
     drop = out["drop"]
     masks, rows = drop["masks"].ne(0), drop["rows"]

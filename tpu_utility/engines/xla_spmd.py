@@ -5,13 +5,15 @@ parallel example recommends: one process traces each step once and holds one cop
 dataset, and gradients come out global, so there is one replica and nothing to reduce.
 It is also real data parallelism on XLA:CPU, where collectives between replica threads
 hang upstream (pytorch/xla#5005), so it is the multi-device path the tests run.
-BatchNorm sees the whole global batch, as SyncBatchNorm would (docs/measured.md audits
+BatchNorm sees the whole global batch, as SyncBatchNorm would; it and LayerNorm are
+computed as reductions the partitioner splits (spmd_norms.py; docs/measured.md audits
 what XLA's partitioner makes of each layer).
 """
 from __future__ import annotations
 
 import os
 
+from .spmd_norms import use_partitioned_norms
 from .xla_single import XlaSetup, XlaSingle
 
 
@@ -51,6 +53,8 @@ class XlaSpmd(XlaSingle):
         import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
         xr.use_spmd()
+        if os.environ.get(NORMS_VAR, "1") != "0":
+            use_partitioned_norms()
         n = xr.global_runtime_device_count()
         if n != setup.devices:
             raise RuntimeError(f"SPMD found {n} devices, expected cores={setup.devices}")
@@ -84,6 +88,7 @@ class XlaSpmd(XlaSingle):
         return t
 
 
+NORMS_VAR = "TPU_UTILITY_SPMD_NORMS"  # "0": torch_xla's own BatchNorm and LayerNorm
 RNG_FLAG = "--xla_tpu_spmd_rng_bit_generator_unsafe"
 
 
