@@ -42,7 +42,9 @@ def optimizer_step(opt, closure: Optional[Callable] = None, **step_kwargs: Any) 
     master's stay as they were), so noise and dropout differ between replicas. A
     `closure` (LBFGS) has each of its calls' gradients and loss averaged over replicas,
     so every replica's optimizer decides alike. Under SPMD the gradients are already
-    global, and on one device it is a plain `opt.step()`. It adds no host sync.
+    global, and on one device it is a plain `opt.step()`. It adds no host sync. On XLA it
+    steps with torch's foreach kernels where `foreach` was left unset (bit-equal, less
+    host time per step; an explicit `foreach=False` is kept).
 
     Example:
         >>> import torch, tpu_utility as tu

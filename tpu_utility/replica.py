@@ -156,11 +156,14 @@ class Replica:
         """Once per optimizer, after a backward and before its first step: refuse one
         whose parameters are elsewhere than this device and got no gradient (it was made
         before `model.to(device)`); parameters with gradients elsewhere are trained there
-        on purpose."""
+        on purpose. On XLA, have it step with torch's foreach implementation where the
+        user left `foreach` unset (`prefer_foreach`)."""
         if opt not in self._checked_opts:
             device = self.engine.device()
             if device.type != "cpu":
                 check_optimizer_device(_params(opt), device, gradless_only=True)
+            if device.type == "xla":
+                prefer_foreach(opt)
             self._checked_opts.add(opt)
 
     def _first_step(self, opt) -> None:
@@ -205,6 +208,22 @@ class Replica:
 
     def __repr__(self) -> str:
         return f"<replica of {self.engine!r}>"
+
+
+def prefer_foreach(opt) -> None:
+    """Set `foreach=True` in the param groups of `opt` that left it unset (None), for
+    optimizers that take it. torch picks its foreach kernels only on CUDA and CPU; on XLA
+    the default steps parameter by parameter, and tracing that is most of a small model's
+    host time per step (Adam about 0.5 ms per parameter tensor). With foreach the whole
+    step took 0.72-0.79x of the host CPU inside train_one_cycle, with bit-equal results
+    (XLA_NOTES.md). Groups with `fused`, `capturable` or `differentiable` set are left
+    alone (torch refuses foreach with them on XLA), as is an explicit `foreach=False`."""
+    if "foreach" not in getattr(opt, "defaults", {}):
+        return  # LBFGS, SparseAdam, an optimizer of the user's own
+    for group in opt.param_groups:
+        if group.get("foreach", False) is None and not any(
+                group.get(k) for k in ("fused", "capturable", "differentiable")):
+            group["foreach"] = True
 
 
 def _params(opt) -> list:
