@@ -42,11 +42,6 @@ def use_partitioned_norms() -> None:
     F.batch_norm, F.layer_norm = batch_norm, layer_norm
 
 
-def _autocast() -> bool:
-    import torch
-    return torch.is_autocast_enabled("xla")
-
-
 def _batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps):
     # Few ops, most on per-channel vectors: each op costs host time to trace, forward and
     # backward, and a layer is traced every step.
@@ -71,7 +66,8 @@ def _batch_norm(x, running_mean, running_var, weight, bias, training, momentum, 
     centred = xf - mean.reshape(shape)
     out = centred * scale.reshape(shape) if bias is None else \
         torch.addcmul(bias.reshape(shape), centred, scale.reshape(shape))
-    return out if _autocast() else out.to(x.dtype)  # autocast runs batch_norm in float32
+    # autocast runs batch_norm in float32 on XLA; without it the output keeps x's dtype
+    return out if torch.is_autocast_enabled("xla") else out.to(x.dtype)
 
 
 def _layer_norm(x, normalized_shape, weight, bias, eps):
@@ -80,13 +76,13 @@ def _layer_norm(x, normalized_shape, weight, bias, eps):
     dims = tuple(range(-len(normalized_shape), 0))
     var, mean = torch.var_mean(xf, dim=dims, unbiased=False, keepdim=True)
     out = (xf - mean) * torch.rsqrt(var + eps)
-    dtype = x.dtype
-    if weight is not None and bias is not None:
-        out, dtype = torch.addcmul(bias, out, weight), torch.promote_types(dtype, weight.dtype)
-    elif weight is not None:
-        out, dtype = out * weight, torch.promote_types(dtype, weight.dtype)
+    if weight is not None:
+        out = out * weight if bias is None else torch.addcmul(bias, out, weight)
     elif bias is not None:
         out = out + bias
-    if bias is not None:
-        dtype = torch.promote_types(dtype, bias.dtype)
-    return out.to(dtype)  # autocast leaves layer_norm's dtype as it is on XLA
+    # autocast leaves layer_norm's dtype as it is on XLA: the input's, promoted by the affine
+    dtype = x.dtype
+    for t in (weight, bias):
+        if t is not None:
+            dtype = torch.promote_types(dtype, t.dtype)
+    return out.to(dtype)
