@@ -134,7 +134,7 @@ def hand_loop(path, loss=None, epochs=2, save_every=7, workers=0):
 
 def comparable(hist):
     """The History without what a resumed run cannot share: timings, compile and transfer counts."""
-    drop = ("seconds", "samples_per_s", "compiles", "transfers", "input_wait")
+    drop = ("seconds", "samples_per_s", "compiles", "transfers", "input_wait", "host_ms", "device_ms")
     return {"epochs": [{k: v for k, v in vars(e).items() if k not in drop} for e in hist.epochs],
             "lrs": hist.lrs, "moms": hist.moms, "logged": [list(x) for x in hist.logged],
             "best": hist.best}

@@ -172,12 +172,14 @@ def supports_gpu(torch_xla_version: Optional[str]) -> bool:
 
 
 def xla_counts() -> dict:
-    """Compiles, compile seconds, executions and device-to-host transfers so far.
+    """Compiles, compile seconds, executions, execution seconds (from each graph's dispatch
+    to the device finishing it) and device-to-host transfers so far.
 
     Zeros when torch_xla is not in use; reading them never starts the runtime.
     """
-    if "torch_xla" not in sys.modules:
-        return {"compiles": 0, "compile_s": 0.0, "executions": 0, "transfers": 0}
+    if sys.modules.get("torch_xla") is None:  # None: imports of it blocked
+        return {"compiles": 0, "compile_s": 0.0, "executions": 0, "execute_s": 0.0,
+                "transfers": 0}
     met = importlib.import_module("torch_xla.debug.metrics")
 
     def count(name):
@@ -185,6 +187,30 @@ def xla_counts() -> dict:
         return (data[0], data[1]) if data else (0, 0)
 
     compiles, compile_ns = count("CompileTime")
-    executions = count("ExecuteTime")[0] + count("ExecuteReplicatedTime")[0]  # the latter: SPMD
-    return {"compiles": compiles, "compile_s": compile_ns / 1e9, "executions": executions,
+    (runs, run_ns), (sharded, sharded_ns) = count("ExecuteTime"), count("ExecuteReplicatedTime")
+    return {"compiles": compiles, "compile_s": compile_ns / 1e9, "executions": runs + sharded,
+            "execute_s": (run_ns + sharded_ns) / 1e9,  # ExecuteReplicated: SPMD
             "transfers": count("TransferFromDeviceTime")[0]}
+
+
+FUNCTIONALIZATION_ENV = "XLA_DISABLE_FUNCTIONALIZATION"
+
+
+def functionalization_on(env=os.environ) -> bool:
+    """Whether torch_xla functionalizes XLA tensors: it reads XLA_DISABLE_FUNCTIONALIZATION
+    at every tensor it makes (torch_util.cpp, 2.8 and 2.9) as sys_util's GetEnvBool does:
+    "true", "false", else an integer, nonzero meaning disabled."""
+    value = env.get(FUNCTIONALIZATION_ENV)
+    if value is None or value == "false":
+        return True
+    if value == "true":
+        return False
+    digits = value.strip()
+    sign = digits[:1] in "+-" and digits[:1] or ""
+    digits = digits[len(sign):]
+    n = ""
+    for ch in digits:  # atoi: the leading digits
+        if not ch.isdigit():
+            break
+        n += ch
+    return not (n and int(n) != 0)

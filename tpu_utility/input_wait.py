@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from .host_bound import Span
+
 HIGH = 0.2  # a share of the epoch above which report() says the device starves
 # ... and the seconds per epoch it must also reach. Every epoch starts its pipeline empty
 # (the feed's thread, DataLoader workers forked anew, a first batch with no step to
@@ -41,6 +43,10 @@ class InputWait:
     # (an older checkpoint, a batch without a tensor).
     sample_shape: Optional[Tuple[int, ...]] = None
     sample_dtype: Optional[str] = None
+    # Per batch: host CPU spent tracing the step, and the device's time running it
+    # (host_bound.py; None where unknown: no thread clocks, no torch_xla, older checkpoints).
+    host_ms: Optional[float] = None
+    device_ms: Optional[float] = None
 
     @property
     def images(self) -> Optional[bool]:
@@ -66,7 +72,8 @@ class InputWait:
 
 class Meter:
     """The clock of one epoch: `ask()` just before each request for a batch, `got()` when
-    it arrives."""
+    it arrives; from the first request to `result()`, the host and device time of the
+    steps (`host_bound.Span`)."""
 
     def __init__(self):
         self.waited = 0.0
@@ -74,11 +81,13 @@ class Meter:
         self.batches = 0
         self._asked = 0.0
         self.sample: Optional[Tuple[Tuple[int, ...], str]] = None
+        self.span: Optional[Span] = None
 
     def ask(self) -> None:
         self._asked = time.perf_counter()
         if self.first is None:
             self.first = self._asked
+            self.span = Span()
 
     def got(self, batch=None) -> None:
         """The batch arrived; the first one's inputs give the sample's shape and dtype
@@ -90,8 +99,11 @@ class Meter:
     def result(self, epoch: int, rows: int, workers: int, source: str, augmented: bool) -> InputWait:
         seconds = time.perf_counter() - self.first if self.first is not None else 0.0
         shape, dtype = self.sample or (None, None)
-        return InputWait(epoch, self.waited, seconds, self.batches, self.batches * rows,
-                         workers, source, augmented, shape, dtype)
+        host, device = self.span.stop() if self.span is not None else (None, None)
+        n = self.batches
+        return InputWait(epoch, self.waited, seconds, n, n * rows, workers, source, augmented,
+                         shape, dtype, host_ms=1e3 * host / n if n and host is not None else None,
+                         device_ms=1e3 * device / n if n and device is not None else None)
 
 
 def sample_of(batch) -> Optional[Tuple[Tuple[int, ...], str]]:

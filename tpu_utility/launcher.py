@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from . import engines, replica
 from .children import die_with_parent
-from .compat import runtime_started
+from .compat import FUNCTIONALIZATION_ENV, functionalization_on, runtime_started
 from .checkpoint import on_cpu
 from .environment import in_notebook, setup_tpu, xla_version
 from .files import atomic_write
@@ -63,7 +63,8 @@ class ReplicasExited(RuntimeError):
 def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), *,
         engine: Optional[str] = None, start_method: Optional[str] = None,
         timeout: Optional[float] = None,
-        stall_timeout: Optional[float] = DEFAULT_STALL_S) -> Any:
+        stall_timeout: Optional[float] = DEFAULT_STALL_S,
+        functionalization: Optional[bool] = None) -> Any:
     """Run `train_fn(*args)` on one core or on all of them and return its result on CPU.
 
     `cores=1` runs on one device. `cores=8` (every device of the host) runs SPMD: one
@@ -95,6 +96,11 @@ def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), 
         stall_timeout: when no replica gets a batch or finishes an optimizer step for this
             many seconds (30 minutes; None: never), the replicas' Python stacks are dumped
             and the run stops with `Stalled`, which names the line each replica waits on.
+        functionalization: False starts the replicas with torch_xla's functionalization
+            off (XLA_DISABLE_FUNCTIONALIZATION=1), which traces each step with less host
+            CPU: with Adam, 0.4x on small models. Some ops then fail and in-place changes
+            through views can differ: run `tu.check_functionalization` on your train_fn
+            first. None: as the environment says (on by default); True: on. XLA only.
 
     Example:
         >>> import torch, tpu_utility as tu
@@ -103,13 +109,24 @@ def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), 
         >>> tu.run(train_fn, cores=1, start_method="fork")
         tensor([2., 2.])
     """
+    return run_replicas(train_fn, cores, args, engine=engine, start_method=start_method,
+                        timeout=timeout, stall_timeout=stall_timeout,
+                        functionalization=functionalization)
+
+
+def run_replicas(train_fn: Callable[..., Any], cores: int, args: Sequence[Any], *,
+                 engine: Optional[str], start_method: Optional[str], timeout: Optional[float],
+                 stall_timeout: Optional[float], functionalization: Optional[bool],
+                 check_steps: Optional[int] = None) -> Any:
+    """`run`, and for `check_functionalization` a run whose replicas stop after
+    `check_steps` optimizer steps and return what they trained (`Replica.check_record`)."""
     if replica.in_run():
         raise RuntimeError(
             f"run() was called inside train_fn, which is already replica {replica.current().engine.rank} "
             f"of a run(): a replica cannot start replicas of its own. Call the function "
             f"directly inside train_fn (it already runs on every core), or call run() at the "
             f"top level of your notebook or script.")
-    args = _check_run_arguments(train_fn, args, start_method, timeout)
+    args = _check_run_arguments(train_fn, args, start_method, timeout, functionalization)
     stall_timeout = check_stall_timeout(stall_timeout)
     info = setup_tpu(verbose=False)
     cls = engines.choose(cores, info, engine)
@@ -120,6 +137,14 @@ def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), 
                          f"{' or '.join(cls.start_methods)}, not start_method={start_method!r}")
     nprocs, expected = cls.processes(info, cores)
     if nprocs == 0:
+        if functionalization is not None and xla_version() and \
+                functionalization != functionalization_on():
+            raise RuntimeError(
+                f"run(functionalization={functionalization}) starts fresh processes with it "
+                f"{'on' if functionalization else 'off'}, but this process already started the "
+                f"XLA runtime (the XLA device was used outside run()), so train_fn would run "
+                f"here, as it is: restart the kernel and call run() before anything touches "
+                f"the device")
         with replica.activate(replica.Replica(cls.in_caller(info, cores))):
             return on_cpu(train_fn(*args))()
     forks = "fork" in cls.start_methods
@@ -142,7 +167,7 @@ def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), 
         outbox = tempfile.mkdtemp(prefix="tpu_utility-run-")  # mode 0700: ours alone
         beats = Heartbeats(nprocs, ctx) if stall_timeout is not None else None
         launch = _Launch(cls, setup, train_fn, args, results, start_method, outbox,
-                         os.getpid(), board, beats)
+                         os.getpid(), board, beats, functionalization, check_steps)
         procs = [ctx.Process(target=_process_main, name=f"tpu_utility-{cls.name}-{r}",
                              args=(launch, r)) for r in range(nprocs)]
         watch = Watch(beats, stall_timeout, procs, outbox, replicas=expected)
@@ -177,7 +202,7 @@ def run_isolated(fn: Callable, args: tuple, *, start_method: Optional[str], who:
     return run(fn, cores=1, args=args, start_method=start_method)
 
 
-def _check_run_arguments(train_fn, args, start_method, timeout) -> tuple:
+def _check_run_arguments(train_fn, args, start_method, timeout, functionalization) -> tuple:
     """Every argument of run() checked before anything starts; returns args as a tuple."""
     if not callable(train_fn):
         raise TypeError(f"run: train_fn must be a function, got {type(train_fn).__name__} "
@@ -191,6 +216,9 @@ def _check_run_arguments(train_fn, args, start_method, timeout) -> tuple:
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                 or not timeout > 0):
         raise ValueError(f"run: timeout must be a number of seconds > 0, or None, got {timeout!r}")
+    if functionalization not in (None, True, False):
+        raise ValueError(f"run: functionalization must be True, False or None (as the "
+                         f"environment says), got {functionalization!r}")
     return tuple(args)
 
 
@@ -357,10 +385,16 @@ class _Launch:
     parent_pid: int
     board: StopBoard
     beats: Optional[Heartbeats]
+    functionalization: Optional[bool]  # None: as the environment says
+    check_steps: Optional[int]  # check_functionalization's steps, else None
 
 
 def _process_main(launch: _Launch, local_rank: int) -> None:
     die_with_parent(launch.parent_pid)
+    if launch.functionalization is not None:
+        # torch_xla reads it at every tensor it makes: set before train_fn makes one, it
+        # holds for the whole replica, even where the caller imported torch_xla.
+        os.environ[FUNCTIONALIZATION_ENV] = "0" if launch.functionalization else "1"
     beat = None
     if launch.beats is not None:
         dump_file = dump_on_signal(dump_path(launch.outbox, local_rank))  # noqa: F841 (kept open)
@@ -382,8 +416,16 @@ def _replica_main(launch: _Launch, beat, engine) -> None:
     import torch
     results, outbox = launch.results, launch.outbox
     try:
-        with replica.activate(replica.Replica(engine, heartbeat=beat, board=launch.board)):
-            out = on_cpu(launch.train_fn(*launch.args))()  # a returned model comes back as a CPU copy
+        me = replica.Replica(engine, heartbeat=beat, board=launch.board,
+                             stop_after=launch.check_steps)
+        with replica.activate(me):
+            try:
+                out = launch.train_fn(*launch.args)
+            except replica.StepLimit:  # check_functionalization's steps are done
+                out = None
+            if launch.check_steps is not None:
+                out = me.check_record()
+            out = on_cpu(out)()  # a returned model comes back as a CPU copy
             path = None
             if engine.rank == 0:  # before the others leave: a result that cannot travel says so
                 path = os.path.join(outbox, "result.pt")

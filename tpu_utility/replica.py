@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, Optio
 from . import rng
 from .checks import check_optimizer_device
 from .engines import Engine, outside_run
+from .host_bound import Span
 from .preemption import StopBoard
 
 if TYPE_CHECKING:
@@ -26,6 +27,12 @@ if TYPE_CHECKING:
     from .stall import Beat
 
 _CURRENT: ContextVar[Optional["Replica"]] = ContextVar("tpu_utility_replica", default=None)
+WARM_STEPS = 2  # a check run's steps before its host clock starts: their graphs compile
+
+
+class StepLimit(BaseException):
+    """A check run's replica took its optimizer steps: unwinds train_fn (a BaseException,
+    so the user's `except Exception` does not swallow it)."""
 
 
 class Replica:
@@ -44,11 +51,19 @@ class Replica:
         heartbeat: run's stall-watch slot for this replica's process, or None.
         board: the run's StopBoard, or None outside run (each checkpointing call then
             gets a fresh one: a SIGTERM handled once must not stop the next call).
+        stop_after: for `check_functionalization`: raise StepLimit after this many
+            optimizer steps, timing the host's tracing of each step that compiled nothing.
     """
 
     def __init__(self, engine: Engine, heartbeat: Optional["Beat"] = None,
-                 board: Optional[StopBoard] = None):
+                 board: Optional[StopBoard] = None, stop_after: Optional[int] = None):
         self.engine, self.heartbeat, self.board = engine, heartbeat, board
+        # check_functionalization's run: stop after this many optimizer steps, timing
+        # the host's tracing from the end of step WARM_STEPS on.
+        self.stop_after, self.steps = stop_after, 0
+        self._last_opt = None
+        self._span: Optional[Span] = None
+        self._timed = [0.0, 0]  # host seconds, steps timed
         self.rng_moved = False  # this replica's random streams moved apart (`offset_rng`)
         # Weak, so a model built later at a freed address is synced again; tensors keyed
         # by id because a tensor's == is elementwise.
@@ -117,7 +132,31 @@ class Replica:
                 closure = self._averaging(opt, closure)
             out = opt.step(self._cut_after(closure, opt), **step_kwargs)
         self.beat()
+        if self.stop_after is not None:
+            self._count_step(opt)
         return out
+
+    def _count_step(self, opt) -> None:
+        self.steps += 1
+        self._last_opt = opt
+        if self._span is not None:  # from the last step's end to this one's
+            host, _ = self._span.stop()
+            if host is not None:  # None: a compile (an epoch's first end, a new shape)
+                self._timed[0] += host
+                self._timed[1] += 1
+        if self.steps >= WARM_STEPS:  # the first steps' graphs compile: not timed
+            self._span = Span()
+        if self.steps >= self.stop_after:
+            raise StepLimit(self.steps)
+
+    def check_record(self) -> Dict[str, Any]:
+        """For check_functionalization: the optimizer steps taken, the parameters of the
+        last optimizer stepped (device tensors), and the host's tracing CPU per step over
+        the steps after the first WARM_STEPS that compiled nothing (None if none)."""
+        host, n = self._timed
+        params = _params(self._last_opt) if self._last_opt is not None else []
+        return {"steps": self.steps, "params": [p.detach() for p in params],
+                "host_ms": 1e3 * host / n if n else None}
 
     def sync_gradients(self, opt) -> None:
         """What must happen before a step of `opt`: its gradients averaged over replicas.
@@ -151,6 +190,13 @@ class Replica:
             self.engine.broadcast(tensors)
             self._synced_tensors.update((id(t), t) for t in tensors)
             self.offset_rng()
+
+    def steps_per_parameter(self) -> bool:
+        """Whether an optimizer may step parameter by parameter here: one this replica
+        stepped has a group without foreach (foreach=False, or an optimizer with no foreach
+        kernels), or it stepped none through tu (so it cannot tell)."""
+        opts = list(self._checked_opts)
+        return not opts or any(not g.get("foreach") for o in opts for g in o.param_groups)
 
     def _check_device(self, opt) -> None:
         """Once per optimizer, after a backward and before its first step: refuse one

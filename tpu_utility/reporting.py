@@ -7,7 +7,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
-from .compat import xla_counts
+from .compat import functionalization_on, xla_counts
+from .host_bound import cure as host_cure, idle_share, worth_a_hint as host_bound
 from .input_wait import cure, worth_a_hint
 
 
@@ -53,7 +54,7 @@ def report(history=None, *, verbose: bool = True) -> XlaReport:
     """
     counts = xla_counts()
     counters: Dict[str, int] = {}
-    if "torch_xla" in sys.modules:
+    if sys.modules.get("torch_xla") is not None:  # None: imports of it blocked
         import torch_xla.debug.metrics as met
         counters = {name: met.counter_value(name) for name in met.counter_names()}
     # _local_scalar_dense is .item() itself: counted as a transfer, not an op to fix
@@ -147,8 +148,9 @@ def _at(sites, kind: str) -> str:
 
 def hints(rep: XlaReport, history=None, sites=(), loaders=(), waits=()) -> List[str]:
     """One-line advice for the patterns that make TPU runs slow, naming the lines of
-    `sites` ((kind, where, code) from `caller_code`) that cause them, and the input
-    pipeline's measured wait (the History's, else the longest of `waits`)."""
+    `sites` ((kind, where, code) from `caller_code`) that cause them, the input
+    pipeline's measured wait and the device's wait on Python (the History's last epoch,
+    else the loader epoch of `waits` that waited most)."""
     out = []
     wait = getattr(history, "input", None) or max(waits, key=lambda w: w.share, default=None)
     if wait is not None and worth_a_hint(wait):
@@ -157,6 +159,12 @@ def hints(rep: XlaReport, history=None, sites=(), loaders=(), waits=()) -> List[
         engine = current().engine
         out.append(cure(wait, default_workers(engine.local_replicas,
                                               fed_devices=engine.fed_devices)))
+    steps = getattr(history, "input", None) or max(
+        waits, key=lambda w: idle_share(w.host_ms, w.device_ms) or 0.0, default=None)
+    if steps is not None and host_bound(steps):
+        from .replica import current
+        out.append(host_cure(steps, foreach_off=current().steps_per_parameter(),
+                             functionalization=functionalization_on()))
     epochs = list(getattr(history, "epochs", None) or [])
     later = [e.compiles for e in epochs[1:]]
     graphs = rep.compiles - rep.sharded_reads  # the reads' compiles get their own hint

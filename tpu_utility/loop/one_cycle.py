@@ -207,7 +207,7 @@ class _Run:
         """The epoch table, the replicas' common weights and the device's running loss."""
         self.table = EpochTable(self.o.epochs, ["epoch", "train_loss"]
                                 + (["valid_loss"] + list(self.o.names) if self.valid else [])
-                                + ["lr", "time", "samples/s", "wait"], enabled=self.o.progress)
+                                + ["lr", "time", "samples/s", "wait", "host/dev ms"], enabled=self.o.progress)
         current().sync_module(self.model)  # replicas that drew different weights start from the master's
         self.loss_sum = self.engine.zeros(())
 
@@ -281,7 +281,8 @@ def _end_epoch(run: _Run, epoch: int, resume: Resume) -> None:
     wait = run.history.input = run.train.input_wait
     e = EpochStats(epoch, train_loss, rest[0] if rest else None, metric_values,
                    run.history.lrs[-1], seconds, run.samples * run.engine.replicas / seconds, 0, 0,
-                   skipped=len(run.train.skipped), input_wait=wait.share if wait else None)
+                   skipped=len(run.train.skipped), input_wait=wait.share if wait else None,
+                   host_ms=wait.host_ms if wait else None, device_ms=wait.device_ms if wait else None)
     _save_best(run, e, {"train_loss": e.train_loss, "valid_loss": e.valid_loss, **metric_values})
     counts = xla_counts()
     e.compiles = counts["compiles"] - run.began[0]["compiles"]
@@ -289,8 +290,15 @@ def _end_epoch(run: _Run, epoch: int, resume: Resume) -> None:
     run.history.epochs.append(e)
     run.table.row([epoch + 1, train_loss] + ([e.valid_loss] + list(metric_values.values()) if run.valid else [])
                   + [e.lr, f"{seconds:.1f}s", f"{e.samples_per_s:.0f}",
-                     f"{e.input_wait:.0%}" if wait else "-"])
+                     f"{e.input_wait:.0%}" if wait else "-", _step_ms(e)])
     resume.after_epoch(epoch)
+
+
+def _step_ms(e: EpochStats) -> str:
+    """"host/device": the host's tracing CPU and the device's execution per step, in ms."""
+    if e.host_ms is None:
+        return "-"
+    return f"{e.host_ms:.1f}/" + ("-" if e.device_ms is None else f"{e.device_ms:.1f}")
 
 
 def _save_best(run: _Run, e: EpochStats, now: Dict[str, Optional[float]]) -> None:

@@ -24,6 +24,10 @@ class EpochStats:
     saved: bool = False
     skipped: int = 0  # samples that failed to load and were replaced (make_loader(skip_errors=True))
     input_wait: Optional[float] = None  # the share of the training epoch spent waiting for batches
+    # Per step: the host's CPU tracing it and the device's time running it (host_bound.py);
+    # host_ms well above device_ms: the device waits on Python.
+    host_ms: Optional[float] = None
+    device_ms: Optional[float] = None
 
 
 @dataclass
