@@ -50,6 +50,24 @@ def test_the_switch_and_the_check(run_script):
             loader = tu.make_loader(data(), 32, num_workers=0)
             tu.train_one_cycle(model, loader, opt, F.cross_entropy, 2, max_lr=1e-3, progress=False)
 
+        def again():
+            # Without functionalization torch_xla orders a graph's outputs by tensor age: a
+            # second call on the same optimizer, and the next fold's fresh model and optimizer,
+            # must reuse the graphs compiled by the first call.
+            from tpu_utility.compat import xla_counts
+            out = []
+            for fold in range(2):
+                torch.manual_seed(fold)
+                model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to(tu.get_device())
+                opt = torch.optim.Adam(model.parameters())
+                loader = tu.make_loader(data(), 32, num_workers=0)
+                for call in range(2):
+                    before = xla_counts()["compiles"]
+                    tu.train_one_cycle(model, loader, opt, F.cross_entropy, 1, max_lr=1e-3,
+                                       progress=False)
+                    out.append(xla_counts()["compiles"] - before)
+            return out
+
         def steps(fn, n=8):
             # a hand-written loop on make_loader: fn(model, x) is the loss
             torch.manual_seed(0)
@@ -85,6 +103,9 @@ def test_the_switch_and_the_check(run_script):
             del os.environ["XLA_DISABLE_FUNCTIONALIZATION"]
             out["spmd off"] = tu.run(functional, cores=8, start_method="fork",
                                      functionalization=False)
+            for cores in (1, 8):
+                out[f"again {cores}"] = tu.run(again, cores=cores, start_method="fork",
+                                               functionalization=False)
             for name, fn, cores in (("cnn", cnn_adam, 1), ("cnn8", cnn_adam, 8),
                                     ("differs", differs, 1), ("fails", fails, 1)):
                 r = tu.check_functionalization(fn, cores=cores, steps=6, start_method="fork")
@@ -106,6 +127,9 @@ def test_the_switch_and_the_check(run_script):
     r = proc.result
     assert r["default"] is True and r["off"] is False and r["spmd off"] is False
     assert r["env off"] is False and r["env off, True"] is True
+    for cores in (1, 8):  # compiles per call: fold 1 twice, fold 2 twice
+        first, *rest = r[f"again {cores}"]
+        assert first > 0 and rest == [0, 0, 0], r[f"again {cores}"]
     for name in ("cnn", "cnn8"):
         c = r[name]
         assert c["equal"] and c["steps"] == 6 and c["tensors"] == 6 and c["error"] is None, c

@@ -70,6 +70,8 @@ class Replica:
         self._synced_opts: "weakref.WeakSet" = weakref.WeakSet()
         self._synced_tensors: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
         self._checked_opts: "weakref.WeakSet" = weakref.WeakSet()
+        # optimizer: [train_one_cycle's running loss on the device, zeroed by an epoch's end]
+        self._running_losses: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
     @property
     def owns_host_rng(self) -> bool:
@@ -112,6 +114,27 @@ class Replica:
             self.rng_moved = True
             if engine.rank > 0:
                 rng.offset_by_rank(engine.rank, engine, host=self.owns_host_rng)
+
+    # -- train_one_cycle's running loss --------------------------------------------------------
+
+    def running_loss(self, opt) -> "torch.Tensor":
+        """The device scalar that train_one_cycle sums `opt`'s training losses in: the same
+        tensor from call to call while each call's epochs end cleanly (an epoch's end zeroes
+        it), else fresh zeros. Without functionalization torch_xla orders a graph's outputs
+        by their tensors' age, so a fresh one, younger than the optimizer's state, made a
+        second call's step a new graph to compile; a new optimizer (the next fold) gets a
+        fresh one, younger than its state-to-be, as the first call had."""
+        kept = self._running_losses.get(opt)
+        if kept is None or not kept[1]:
+            kept = self._running_losses[opt] = [self.engine.zeros(()), True]
+        return kept[0]
+
+    def running_loss_in_use(self, opt) -> None:
+        """An epoch starts adding into it: not zero until the epoch's end says so."""
+        self._running_losses[opt][1] = False
+
+    def running_loss_zeroed(self, opt) -> None:
+        self._running_losses[opt][1] = True
 
     # -- the optimizer step and weights made identical -----------------------------------------
 
