@@ -119,8 +119,9 @@ DataLoader workers, which changes what runs beside the training thread.
   train_one_cycle (another schedule); and at 8 cores the CNN's tpu_utility variants, whose
   engine ("spmd") computes BatchNorm (and LayerNorm) as reductions the partitioner splits
   (tpu_utility/engines/spmd_norms.py) where the hand-written loop has torch_xla's own:
-  rounding apart the same numbers (2e-6 at smoke sizes; the transformer's LayerNorm came
-  out bit-equal). The same switch shows in the CNN's figures at 8 cores: torch_xla's
+  rounding apart the same numbers (at smoke sizes the CNN's final losses 2e-7 to 6e-4
+  apart, its toy training diverging; the transformer's, whose LayerNorm is switched too, 0
+  to 1.2e-7). The same switch shows in the CNN's figures at 8 cores: torch_xla's
   BatchNorm gathers the global batch onto every device (docs/measured.md, issue 32), so the
   hand-written loop's device time is larger, while the reductions trace ~0.5 ms more per
   BatchNorm layer and step, so tpu_utility's host ms/step is larger.
