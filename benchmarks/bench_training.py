@@ -64,20 +64,16 @@ every cut moves torch_xla's random seed on, and train_one_cycle's epoch end cuts
 with this its dropout masks are the loops' (without it they part from the second epoch on).
 Train mode throughout (dropout on, BatchNorm's batch statistics); no evaluation.
 
-Each job (workload, variant, cores, workers) runs in a process of its own, a fresh child of
-this script that starts its own XLA runtime; this parent process imports neither torch_xla
-nor tpu_utility (nor torch). In the child: one warm-up call of 1 epoch (everything compiles
-there), then one timed call of `--epochs` epochs with a fresh schedule, on the same model
-and optimizer. With a -nofunc variant in `--variants` every job warms up with two calls
-(`--warmup-calls`): without functionalization torch_xla orders a graph's outputs by when
-their tensors were made, and train_one_cycle makes a fresh loss accumulator per call, made
-in the first call before the optimizer's state and in every later call after it; so its
-second call's step is a new graph, compiled in that call (a third call reuses it). Every
-job of a run warms up alike so that the final losses stay comparable. For the tpu_utility variants all of it runs, and is measured, inside the
-replica function (tu.run's forked child, which runs one torch CPU thread; the hand-written
-child keeps torch's default). Rounds are interleaved: in round r every job runs once, the
-order of the (workload, cores, workers) groups and of the variants rotating with r, so all
-jobs see the same machine load. Every child is bounded by `--timeout`.
+Each job (workload, variant, cores, workers) runs in a process of its own, a fresh child
+of this script that starts its own XLA runtime; this parent process imports neither
+torch_xla nor tpu_utility (nor torch). In the child: one warm-up call of 1 epoch
+(everything compiles there), then one timed call of `--epochs` epochs with a fresh
+schedule, on the same model and optimizer (`--warmup-calls` sets how many warm-up calls).
+For the tpu_utility variants all of it runs, and is measured, inside the replica function
+(tu.run's forked child, which runs one torch CPU thread; the hand-written child keeps
+torch's default). Rounds are interleaved: in round r every job runs once, the order of the
+(workload, cores, workers) groups and of the variants rotating with r, so all jobs see the
+same machine load. Every child is bounded by `--timeout`.
 
 How to read it
 --------------
@@ -142,7 +138,6 @@ All counts come from `torch_xla.debug.metrics` directly. Run from the repository
 machine is noisy: compare ratios, not absolutes, and never run two benchmarks at once.
 """
 import argparse
-import inspect
 import json
 import os
 import platform
@@ -360,12 +355,8 @@ def hand_written(w, cores, workers, samples, batch_size, epochs, log_every, warm
     return out
 
 
-def tu_replica(variant, name, set_nofunc_env, workers, samples, batch_size, epochs,
-               log_every, warmup_calls):
+def tu_replica(variant, name, workers, samples, batch_size, epochs, log_every, warmup_calls):
     """Variants 2 to 4: tu.run's replica function; it measures itself."""
-    if set_nofunc_env:  # until run(functionalization=) lands
-        # torch_xla reads it as each tensor is made: set before this replica's first one
-        os.environ["XLA_DISABLE_FUNCTIONALIZATION"] = "1"
     import tpu_utility as tu
 
     w = WORKLOADS[name]
@@ -400,7 +391,7 @@ def child(args):
     cores, workers = args.cores[0], args.workers[0]
     samples = args.samples.get(w.name, w.samples)
     batch_size = args.batch_size.get(w.name, w.batch_size)
-    sizes = (workers, samples, batch_size, args.epochs, args.log_every, args.warmup_calls or 1)
+    sizes = (workers, samples, batch_size, args.epochs, args.log_every, args.warmup_calls)
     nofunc = args.child.endswith(NOFUNC)
     if args.child == HAND:
         out = hand_written(w, cores, *sizes)
@@ -408,16 +399,9 @@ def child(args):
         if ROOT not in sys.path:  # a fresh clone without `pip install -e .`
             sys.path.insert(0, ROOT)
         import tpu_utility as tu
-        kwargs, set_env = {}, False
-        if nofunc:
-            if "functionalization" in inspect.signature(tu.run).parameters:
-                kwargs["functionalization"] = False
-            else:
-                set_env = True  # until run(functionalization=) lands
         out = tu.run(tu_replica, cores=cores, start_method="fork",
-                     args=(args.child.removesuffix(NOFUNC), w.name, set_env, *sizes), **kwargs)
-        out["nofunc_by"] = ("run(functionalization=False)" if kwargs else
-                            "XLA_DISABLE_FUNCTIONALIZATION=1 in the replica" if set_env else None)
+                     args=(args.child.removesuffix(NOFUNC), w.name, *sizes),
+                     functionalization=False if nofunc else None)
     if nofunc == out["functionalization"]:
         raise SystemExit(f"{args.child}: torch_xla's functionalization is "
                          f"{'on' if out['functionalization'] else 'off'} in the training process")
@@ -604,9 +588,8 @@ def main(argv=None):
                    help="per core: N for every workload, or name=N,... (default: "
                         + ", ".join(f"{w.name} {w.batch_size}" for w in WORKLOADS.values()) + ")")
     p.add_argument("--epochs", type=int, default=2, help="timed epochs per call")
-    p.add_argument("--warmup-calls", type=int, default=None,
-                   help="untimed calls of 1 epoch before the timed one, the same for every job "
-                        "(default 1, or 2 when a -nofunc variant runs: see the docstring)")
+    p.add_argument("--warmup-calls", type=int, default=1,
+                   help="untimed calls of 1 epoch before the timed one, the same for every job")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
@@ -624,8 +607,6 @@ def main(argv=None):
         if unknown:
             p.error(f"unknown {what}(s) {unknown}; choose from {list(known)}")
     variants = [v for v in VARIANTS if v in args.variants]
-    if args.warmup_calls is None:
-        args.warmup_calls = 2 if any(v.endswith(NOFUNC) for v in variants) else 1
     workloads = [w for w in WORKLOADS if w in args.workloads]
 
     from importlib.metadata import PackageNotFoundError, version
