@@ -41,8 +41,7 @@ The variants:
    loader, in `tu.run(fn, cores=N, start_method="fork")`.
 4. `swapped-nofunc`, `train_one_cycle-nofunc` (not in the default `--variants`): 2 and 3
    with torch_xla's functionalization off in the replica, `tu.run(...,
-   functionalization=False)` (XLA_DISABLE_FUNCTIONALIZATION=1; where run() has no such
-   argument yet, the replica function sets the variable before it makes any XLA tensor).
+   functionalization=False)` (XLA_DISABLE_FUNCTIONALIZATION=1 in the replica process).
    The child checks that the model's parameters are then not functional tensors (and, for
    the other variants, that they are).
 
