@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import re
 import sys
 from typing import Callable, List, Optional
 
@@ -205,12 +206,5 @@ def functionalization_on(env=os.environ) -> bool:
         return True
     if value == "true":
         return False
-    digits = value.strip()
-    sign = digits[:1] in "+-" and digits[:1] or ""
-    digits = digits[len(sign):]
-    n = ""
-    for ch in digits:  # atoi: the leading digits
-        if not ch.isdigit():
-            break
-        n += ch
-    return not (n and int(n) != 0)
+    number = re.match(r"\s*[+-]?(\d+)", value)  # atoi: leading blanks, a sign, digits
+    return not (number and int(number.group(1)))
