@@ -44,6 +44,12 @@ The variants:
    functionalization=False)` (XLA_DISABLE_FUNCTIONALIZATION=1 in the replica process).
    The child checks that the model's parameters are then not functional tensors (and, for
    the other variants, that they are).
+5. `hand-written-foreach` (not in the default `--variants`): 1 with `foreach=True` written
+   on every param group, as a user who knows the trick would: what torch's foreach
+   implementation alone gives against the loop that leaves it unset, with none of
+   tpu_utility; the floor for the swapped loop's ratio, whose step runs foreach too. At
+   1 core on the MLP it was 0.82x (docs/measured.md): torch's functionalization runs a
+   Python meta kernel for every in-place optimizer op on every tensor, foreach or not.
 
 The loops of 1 and 2 do what train_one_cycle does by default: for mlp, cnn and cnn-adam,
 lr and momentum (SGD's `momentum`, Adam's beta1) written on every param group before every
@@ -155,12 +161,14 @@ if HERE not in sys.path:
 
 from training_workloads import DEFAULT as DEFAULT_WORKLOADS, WORKLOADS  # noqa: E402  (no torch)
 
-VARIANTS = {"hand-written": "hand-written", "swapped": "swapped loop",
+VARIANTS = {"hand-written": "hand-written", "hand-written-foreach": "hand-written, foreach",
+            "swapped": "swapped loop",
             "train_one_cycle": "train_one_cycle",
             "swapped-nofunc": "swapped loop, nofunc",
             "train_one_cycle-nofunc": "train_one_cycle, nofunc"}  # command-line name: printed
 DEFAULT_VARIANTS = ("hand-written", "swapped", "train_one_cycle")
 HAND = "hand-written"
+HAND_FOREACH = "hand-written-foreach"
 NOFUNC = "-nofunc"
 
 
@@ -276,15 +284,20 @@ def zeros(device):
     return torch.zeros(()).to(device)
 
 
-def measure(w, call, device, steps_per_epoch, global_batch, epochs, warmup_calls=1):
+def measure(w, call, device, steps_per_epoch, global_batch, epochs, warmup_calls=1,
+            foreach=False):
     """Warm-up calls (1 epoch each), then the timed call (`epochs` epochs) of `call(model,
-    opt, n_epochs) -> final loss`, on one model and optimizer of workload `w` built here."""
+    opt, n_epochs) -> final loss`, on one model and optimizer of workload `w` built here
+    (with `foreach=True` on every param group if `foreach`)."""
     import torch
     import torch_xla.core.xla_model as xm
 
     t_first = time.perf_counter()  # the runtime is up; the device's first use is next
     model = w.make_model().to(device)
     opt = w.make_optimizer(model.parameters())
+    if foreach:
+        for group in opt.param_groups:
+            group["foreach"] = True
     functional = torch._is_functional_tensor(next(model.parameters()).data)
     w0 = xla_counts()
     for _ in range(warmup_calls):
@@ -307,8 +320,10 @@ def measure(w, call, device, steps_per_epoch, global_batch, epochs, warmup_calls
     return out
 
 
-def hand_written(w, cores, workers, samples, batch_size, epochs, log_every, warmup_calls):
-    """Variant 1, in this process: plain torch_xla."""
+def hand_written(w, cores, workers, samples, batch_size, epochs, log_every, warmup_calls,
+                 foreach=False):
+    """Variant 1, in this process: plain torch_xla (`foreach`: the hand-written-foreach
+    variant)."""
     if cores > 1:
         os.environ["CPU_NUM_DEVICES"] = str(cores)  # read when the runtime starts
     import numpy as np
@@ -348,7 +363,8 @@ def hand_written(w, cores, workers, samples, batch_size, epochs, log_every, warm
         state["epochs"] += n
         return loss
 
-    out = measure(w, call, device, len(loader), loader.batch_size, epochs, warmup_calls)
+    out = measure(w, call, device, len(loader), loader.batch_size, epochs, warmup_calls,
+                  foreach)
     out["workers_used"] = loader.num_workers
     assert "tpu_utility" not in sys.modules, "the hand-written variant imported tpu_utility"
     return out
@@ -392,8 +408,8 @@ def child(args):
     batch_size = args.batch_size.get(w.name, w.batch_size)
     sizes = (workers, samples, batch_size, args.epochs, args.log_every, args.warmup_calls)
     nofunc = args.child.endswith(NOFUNC)
-    if args.child == HAND:
-        out = hand_written(w, cores, *sizes)
+    if args.child in (HAND, HAND_FOREACH):
+        out = hand_written(w, cores, *sizes, foreach=args.child == HAND_FOREACH)
     else:
         if ROOT not in sys.path:  # a fresh clone without `pip install -e .`
             sys.path.insert(0, ROOT)
@@ -471,6 +487,8 @@ def ratio_text(runs, variant, base, metric, base_runs=None):
 
 
 def host_goal(variant, m):
+    if variant == HAND_FOREACH:
+        return "none: what foreach alone gives, with none of tpu_utility"
     if variant.endswith(NOFUNC) and m["optimizer"] == "Adam":
         return "<= 0.5 (nofunc, Adam)"
     return "<= 0.8"

@@ -171,3 +171,15 @@ def stuck():
     if tu.rank() == 1:
         time.sleep(600)
     _one_collective()
+
+
+def reduced():
+    """tu.all_reduce of each replica's rank + 1, summed and averaged, and has_accelerator()
+    on this CPU engine."""
+    total = torch.tensor(float(tu.rank() + 1))
+    mean = torch.tensor([float(tu.rank() + 1), 2.0 * (tu.rank() + 1)])
+    same = tu.all_reduce(total) is total
+    tu.all_reduce(mean, op="mean")
+    return {"sum": total.item(), "mean": mean.tolist(), "in_place": same,
+            "accelerator": tu.has_accelerator()}
+

@@ -1,6 +1,6 @@
 """The first steps users take with CUDA habits, which CUDA forgives and XLA does not: an
 optimizer made before `model.to(device)`, `@autocast()` as a decorator at import,
-`scaler.step(opt, closure)`, and arguments that would train nothing (`clip=0`)."""
+`scaler.step(opt, closure)`, `torch.cuda.is_available()` (tu.has_accelerator()), and arguments that would train nothing (`clip=0`)."""
 import pytest
 import torch
 
@@ -87,11 +87,12 @@ HABITS_SCRIPT = """
         x = torch.randn(16, 8, device=tu.get_device())
         inside = forward(model, x).dtype
         outside = model(x).dtype
-        return {"inside": str(inside), "outside": str(outside)}
+        return {"inside": str(inside), "outside": str(outside), "accelerator": tu.has_accelerator()}
 
     if __name__ == "__main__":
+        accelerator = tu.has_accelerator()  # port's swap for torch.cuda.is_available()
         started = torch_xla._XLAC._xla_runtime_is_initialized()
-        out = {"started_at_import": started,
+        out = {"started_at_import": started, "accelerator": accelerator,
                "eight": tu.run(decorated, cores=8, start_method="fork"),
                "habits": tu.run(optimizer_first, cores=1, start_method="fork")}
         print("RESULT", json.dumps(out))
@@ -103,7 +104,9 @@ def test_cuda_habits_are_caught_or_work(run_script):
     # @tu.autocast() at import asks for no device, so the 8-core run can start, and the
     # decorated forward runs in bf16 there (and only it).
     assert r["started_at_import"] is False
-    assert r["eight"] == {"inside": "torch.bfloat16", "outside": "torch.float32"}
+    # tu.has_accelerator() at the top level: True with torch_xla, and it started nothing
+    assert r["accelerator"] is True
+    assert r["eight"] == {"inside": "torch.bfloat16", "outside": "torch.float32", "accelerator": True}
     habits = r["habits"]
     for who in ("optimizer_step", "scaler", "train_one_cycle", "lr_find", "average_gradients"):
         message = habits[who]

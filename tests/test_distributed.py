@@ -44,6 +44,16 @@ def test_gradients_are_averaged_over_replicas_not_summed(world):
     assert diff < 1e-5
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_reduce_sums_or_averages_over_replicas_in_place(world):
+    # port's swap for dist.all_reduce: closed forms of 1 + 2 + ... + world
+    out = run(replica_fns.reduced, world)
+    assert out == {"sum": world * (world + 1) / 2, "mean": [(world + 1) / 2, float(world + 1)],
+                   "in_place": True, "accelerator": False}  # (a CPU engine: no accelerator)
+    with pytest.raises(ValueError, match="op is 'sum' or 'mean'"):
+        tu.all_reduce(torch.ones(1), op="max")
+
+
 def test_spawned_replicas_match_too():
     out = run(tpu_train.train_fn, 2, start_method="spawn")
     assert max_param_diff(out["state"], reference_train(global_batch=128)["state"]) < 1e-5

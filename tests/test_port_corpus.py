@@ -175,7 +175,7 @@ def test_port_parses_everything_python_parses():
     import glob
     import os
     import sysconfig
-    from tpu_utility.source_facts import mask_magics
+    from tpu_utility.port.facts import mask_magics
     checked = 0
     for path in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py"))):
         with open(path, encoding="utf-8") as f:

@@ -3,8 +3,9 @@ from .amp import GradScaler, autocast
 from .augment import aug_transforms
 from .checkpoint import load_state, save, save_state
 from .data import make_loader
-from .devices import (average_gradients, get_device, is_master, master_print, optimizer_step,
-                      rank, scale_lr_bs, sync, to_cpu, world_size)
+from .devices import (all_reduce, average_gradients, get_device, has_accelerator, is_master,
+                      master_print, optimizer_step, rank, scale_lr_bs, sync, to_cpu,
+                      world_size)
 from .environment import doctor, setup_tpu
 from .cache import CachedDataset, cache_dataset, open_cache
 from .images import (ImageCsvDataset, ImageFolderDataset, PresizeReport, denormalize, normalize,
@@ -23,4 +24,4 @@ __all__ = ["setup_tpu", "get_device", "optimizer_step", "make_loader", "scale_lr
            "open_cache", "CachedDataset", "show_batch", "normalize", "denormalize",
            "ReplicasExited", "autocast", "GradScaler", "gather", "save_state", "load_state",
            "Preempted", "Stalled", "to_cpu", "aug_transforms", "check_functionalization",
-           "FunctionalizationCheck"]
+           "FunctionalizationCheck", "has_accelerator", "all_reduce"]

@@ -31,6 +31,27 @@ def get_device():
     return current().engine.device()
 
 
+def has_accelerator() -> bool:
+    """The swap for `torch.cuda.is_available()`: whether `get_device()` is an accelerator.
+
+    True on XLA (a TPU, or XLA's CPU device where tests run), and on a GPU without
+    torch_xla; False where get_device() is the CPU. Outside `run` it reads only what is
+    installed: it does not start XLA's runtime, so a script may ask it at its top level
+    and still call `run(cores=8)`.
+
+    Example:
+        >>> import tpu_utility as tu
+        >>> device = tu.get_device() if tu.has_accelerator() else "cpu"
+    """
+    if in_run():
+        return current().engine.device().type != "cpu"
+    from .environment import xla_version
+    if xla_version():
+        return True
+    import torch
+    return torch.cuda.is_available()
+
+
 def optimizer_step(opt, closure: Optional[Callable] = None, **step_kwargs: Any) -> Any:
     """The swap for `opt.step()` (and `opt.step(closure)`): averages gradients over
     replicas first when needed.
@@ -81,6 +102,35 @@ def average_gradients(params: Iterable["torch.Tensor"]) -> None:
         [0.7, 0.7]
     """
     current().average_gradients(params)
+
+
+def all_reduce(tensor: "torch.Tensor", op: str = "sum") -> "torch.Tensor":
+    """The swap for `dist.all_reduce(tensor)`: `tensor`'s sum (or mean) over replicas, in
+    place, as torch.distributed does; returns it.
+
+    For metrics summed by each replica over its share of the data. Under SPMD (one
+    replica, whose tensors already hold the whole batch) and on one device it leaves
+    `tensor` as it is.
+
+    Args:
+        tensor: a tensor on the replica's device.
+        op: "sum" (dist.ReduceOp.SUM, the default) or "mean" (dist.ReduceOp.AVG).
+
+    Example:
+        >>> import torch, tpu_utility as tu
+        >>> correct = torch.tensor(3.0, device=tu.get_device())
+        >>> tu.to_cpu(tu.all_reduce(correct)).item()
+        3.0
+    """
+    if op not in ("sum", "mean"):
+        raise ValueError(f"all_reduce(op={op!r}): op is 'sum' or 'mean'")
+    engine = current().engine
+    total = engine.all_reduce_sum([tensor])[0]
+    if total is not tensor:
+        import torch
+        with torch.no_grad():
+            tensor.copy_(total / engine.replicas if op == "mean" else total)
+    return tensor
 
 
 def sync() -> None:

@@ -106,7 +106,7 @@ def caller_code(frame) -> Tuple[List[Tuple[str, str, str]], List[Tuple[str, int,
     import textwrap
     import types
     from .data import DeviceLoader
-    from .source_facts import costly_calls
+    from .port.facts import costly_calls
 
     def names(code):  # the globals a function and its inner functions refer to
         return set(code.co_names).union(*(names(c) for c in code.co_consts

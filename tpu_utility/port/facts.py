@@ -1,11 +1,7 @@
 """What a Python module's source says: its loops, backward loops, functions, optimizer names,
-the models an optimizer takes the parameters of and the calls that move a model.
-
-`port` (which rewrites a CUDA script) and `report()` (which names the lines behind its
-hints) both ask these questions of the same scripts. Answering them here, once per parse,
-with one rule for "inside a loop" and one list of GradScaler names, means the two cannot
-classify the same line differently.
-"""
+the models an optimizer takes the parameters of and the calls that move a model. `port` and
+`report()` (which names the lines behind its hints) both ask it, so the two cannot classify
+the same line differently."""
 from __future__ import annotations
 
 import ast

@@ -73,12 +73,12 @@ def wrap_top_level(source: str, tree: ast.Module, trains: Callable[[ast.stmt, bo
         <BLANKLINE>
     """
     body = tree.body
-    start = next((i for i, s in enumerate(body) if not _is_main_guard(s)
+    start = next((i for i, s in enumerate(body) if not is_main_guard(s)
                   and not isinstance(s, _DEFINITIONS + (ast.Import, ast.ImportFrom))
                   and trains(s, False)), None)
     guard = None
     if start is None:
-        guard = next((s for s in body if _is_main_guard(s) and not s.orelse
+        guard = next((s for s in body if is_main_guard(s) and not s.orelse
                       and any(trains(t, True) for t in s.body)), None)
         if guard is None:
             return None
@@ -91,7 +91,7 @@ def wrap_top_level(source: str, tree: ast.Module, trains: Callable[[ast.stmt, bo
     flat: List[ast.stmt] = []
     skip: Set[int] = set()  # the opened guard's own line
     for s in moved:
-        if _is_main_guard(s) and not s.orelse and guard is None:
+        if is_main_guard(s) and not s.orelse and guard is None:
             flat += s.body
             skip.update(range(s.lineno, s.body[0].lineno))
         else:
@@ -259,7 +259,7 @@ def _free_name(tree) -> str:
     return name
 
 
-def _is_main_guard(stmt) -> bool:
+def is_main_guard(stmt) -> bool:
     """`if __name__ == "__main__":` (port.py asks too)."""
     return isinstance(stmt, ast.If) and isinstance(stmt.test, ast.Compare) and \
         "__name__" in ast.dump(stmt.test) and "'__main__'" in ast.dump(stmt.test)

@@ -1,0 +1,69 @@
+"""What needs a person, by line: every advisory port gives, each recorded with the id of
+the rule that gave it. The texts that more than one rule gives live here."""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+from .edits import Edits
+from .facts import HOST_READS, ModuleFacts
+
+
+class Notes:
+    """The advisories of one piece of source. `edits.rule` names the rule at work."""
+
+    def __init__(self, edits: Edits, facts: ModuleFacts):
+        self.edits = edits
+        self.facts = facts
+        self.todo: List[Tuple[int, str]] = []
+        self.rules: List[str] = []  # the rule id of each of `todo`
+        self.noted_loops: set = set()  # evaluation loops whose host reads are listed
+
+    def add(self, line: int, what: str) -> None:
+        self.todo.append((line, what))
+        self.rules.append(self.edits.rule)
+
+    def top_level_device(self, line: int) -> None:
+        self.add(line, "the device is chosen at the top level, which starts the XLA runtime "
+                 "in this process: run(cores=8) then refuses; call tu.get_device() inside "
+                 "the training function instead")
+
+    def top_level_move(self, line: int, attr: str) -> None:
+        call = ".cuda()" if attr == "cuda" else '.to("cuda")'
+        self.add(line, f"`{call}` at the top level was removed: tensors stay on the CPU "
+                 f"(make_loader moves each batch to the device); move a model inside the "
+                 f"training function, with .to(tu.get_device())")
+
+    def device_from_setting(self, node) -> None:
+        self.add(node.lineno, f"`{self.edits.source(node)}` takes the device from a setting: "
+                 f"where it names cuda, use tu.get_device()")
+
+    def host_read(self, node, attr: str) -> None:
+        """A tensor read on the host in a loop: every training step, or batch by batch in
+        an evaluation loop (where under engine="launch" each replica sees only its own share)."""
+        if node.args:
+            return
+        facts, code = self.facts, self.edits.source(node)
+        if attr == "item" and facts.inside_loop(node, facts.backward_loops) and \
+                not facts.under_if_in_loop(node):  # under an `if`: a log point, not every step
+            self.add(node.lineno, f"`{code}` reads the device every step (a host transfer): "
+                     f"sum on the device and read once per epoch")
+        elif attr in HOST_READS and facts.inside_loop(node, facts.other_loops) and \
+                self._first_read_in_loop(node):
+            self.add(node.lineno, f"`{code}` collects evaluation results on the host batch by "
+                     f"batch: each read waits for the device, and at cores=8 (SPMD) compiles "
+                     f"a program that gathers the split batch (with engine='launch', each "
+                     f"replica has only its own share); collect on the device and use "
+                     f"tu.gather(torch.cat(outputs), loader), then tu.to_cpu once")
+        elif attr == "item" and facts.inside_loop(node, facts.other_loops):
+            self.add(node.lineno, f"`{code}` sums an evaluation batch by batch: a host "
+                     f"transfer each (and with engine='launch', each replica sums only its "
+                     f"own share of the data); collect the outputs and targets and use "
+                     f"tu.gather(torch.cat(outputs), loader), then read once")
+
+    def _first_read_in_loop(self, node) -> bool:
+        """One note per evaluation loop: `x.cpu().numpy()` and its neighbours are one fix."""
+        loop = next(n for n in self.facts.loops_around(node) if n in self.facts.other_loops)
+        if loop in self.noted_loops:
+            return False
+        self.noted_loops.add(loop)
+        return True

@@ -1,0 +1,93 @@
+"""port_source: parse -> facts -> (a script: wrap its top-level training, facts again) ->
+the rules' walk -> the passes over the module -> splice the edits."""
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+from .edits import apply
+from .facts import mask_magics, module_facts
+from .rules import Finder
+from .rules.structure import WRAP, training_functions, trains
+from .wrap import wrap_top_level
+
+
+@dataclass
+class PortResult:
+    """What `port` did: the new text, the swaps made and what it left, by line;
+    `swap_rules` and `note_rules`, the id of the rule behind each, as (line, rule id);
+    `modules`, the results of the local modules a script imports."""
+
+    text: str
+    swaps: List[Tuple[int, str]] = field(default_factory=list)
+    todo: List[Tuple[int, str]] = field(default_factory=list)
+    output: Optional[str] = None
+    swap_rules: List[Tuple[int, str]] = field(default_factory=list)
+    note_rules: List[Tuple[int, str]] = field(default_factory=list)
+    modules: List["PortResult"] = field(default_factory=list)  # local modules, ported too
+
+    def __str__(self) -> str:
+        lines = [f"{len(self.swaps)} swaps made"]
+        if self.todo:
+            lines.append(f"{len(self.todo)} things port could not do safely:")
+            lines += [f"  {i}. line {line}: {what}" for i, (line, what) in enumerate(self.todo, 1)]
+        return "\n".join(lines)
+
+
+def parse(source: str) -> ast.Module:
+    """What Python parses is parsed as it is; a notebook cell's IPython lines are masked."""
+    try:
+        return ast.parse(source)
+    except SyntaxError:
+        return ast.parse(mask_magics(source))
+
+
+def port_source(source: str, optimizers: Optional[set] = None,
+                train_fns: Optional[set] = None, *, script: bool = False) -> PortResult:
+    """The swaps for one piece of Python source (a script, or a notebook cell).
+
+    Args:
+        source: the Python source.
+        optimizers: the names bound to optimizers so far (a notebook's earlier cells);
+            updated.
+        train_fns: the functions that train, so far; updated.
+        script: whether `source` is a whole script: its top-level training is then moved
+            into a function that `tu.run` runs (wrap.py); a notebook's cells stay where
+            they are, with a note.
+
+    Example:
+        >>> print(port_source("opt = torch.optim.SGD(m.parameters(), lr=0.1)\\nopt.step()\\n").text)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        tu.optimizer_step(opt)
+        <BLANKLINE>
+    """
+    tree = parse(source)
+    facts = module_facts(tree)
+    optimizers = optimizers if optimizers is not None else set()
+    optimizers.update(facts.optimizers)
+    train_fns = train_fns if train_fns is not None else set()
+    wrapped = None
+    if script:
+        known = training_functions(facts.functions, train_fns)
+        wrapped = wrap_top_level(source, tree, lambda stmt, in_guard: trains(stmt, in_guard, facts, known))
+        if wrapped is not None:
+            source = wrapped.text
+            tree = parse(source)
+            facts = module_facts(tree)
+    finder = Finder(source.splitlines(keepends=True), facts, optimizers, train_fns=train_fns)
+    finder.visit(tree)
+    finder.passes(tree)
+    edits, notes = finder.edits, finder.notes
+    swaps = sorted(zip(edits.swaps, edits.swap_rules))
+    todo = sorted(zip(notes.todo, notes.rules))
+    if wrapped is not None:  # report the original's lines
+        what = (f"training at the top level -> def {wrapped.name}(), run on every core by "
+                f"tu.run({wrapped.name}, cores=8)")
+        swaps = sorted([((wrapped.line(n), w), r) for (n, w), r in swaps]
+                       + [((wrapped.start, what), WRAP.id)])
+        todo = sorted([((wrapped.line(n), w), r) for (n, w), r in todo]
+                      + [(note, WRAP.id) for note in wrapped.notes])
+    return PortResult(apply(source, edits.edits), [s for s, _ in swaps], [t for t, _ in todo],
+                      swap_rules=[(s[0], r) for s, r in swaps],
+                      note_rules=[(t[0], r) for t, r in todo])
