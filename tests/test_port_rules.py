@@ -575,3 +575,31 @@ def test_a_scaler_step_is_kept_and_its_note_names_the_scaler_not_the_optimizer()
     made = port_source("def train(model, optimizer, loader):\n    scaler = torch.cuda.amp.GradScaler()\n" + loop)
     assert made.text == "def train(model, optimizer, loader):\n    scaler = tu.GradScaler()\n" + loop
     assert made.todo == []
+
+
+def test_an_optimizer_goes_down_after_a_move_that_reads_what_is_set_between():
+    # (issue 34) a notebook's shape: the device is chosen between the optimizer and the move
+    assert_ports('''\
+        def main(net):
+            criterion = nn.CrossEntropyLoss()
+            # SGD with momentum
+            optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+            device = pick_device()
+            print(device)
+            net.to(device)
+            return optimizer
+        ''', '''\
+        def main(net):
+            criterion = nn.CrossEntropyLoss()
+            device = pick_device()
+            print(device)
+            net.to(device)
+            # SGD with momentum
+            optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+            return optimizer
+        ''', "order.move-before-optimizer")
+    # a statement between that uses the optimizer holds it: listed instead
+    kept = port_source("def main(net):\n    opt = SGD(net.parameters())\n    device = pick()\n"
+                       "    sched = StepLR(opt)\n    net.to(device)\n")
+    assert kept.text.startswith("def main(net):\n    opt = SGD(") and [r for _, r in kept.note_rules] == [
+        "order.move-before-optimizer"]

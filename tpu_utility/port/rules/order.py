@@ -1,7 +1,9 @@
 """Order rule: `opt = Adam(model.parameters()); model.to(device)` trains on CUDA, where
 .to() keeps the Parameter objects, and trains nothing on XLA, where .to() makes new ones
-and the optimizer keeps the old CPU tensors. The move goes up, before the optimizer, where
-that cannot change what the script does; anywhere else the pair is listed."""
+and the optimizer keeps the old CPU tensors. The move goes up, before the optimizer, or
+(where the move reads what is set between them, as its device) the optimizer goes down,
+after the move, where that cannot change what the script does; anywhere else the pair is
+listed."""
 from __future__ import annotations
 
 import ast
@@ -117,6 +119,9 @@ class MovesFirst:
         if why is None:
             self._move_up(block, i, hit)
             return
+        if not _down_blocked(self.edits, block, i, hit):  # the move reads what is set between
+            self._move_down(block, i, hit)
+            return
         for m in hit:
             code = next(self.edits.source(c) for c in moves
                         if any(_overlap(dotted(c.func.value), o) for o in m.owners))
@@ -155,30 +160,75 @@ class MovesFirst:
         return model
 
     def _move_up(self, block, i, hit) -> None:
-        """Take block[i]'s lines (with the comments right above it, and port's own edits in
-        them) to just before the first of the optimizers (and the comments above it)."""
+        """Take block[i]'s lines to just before the first of the optimizers (and the
+        comments above it)."""
         stmt, first = block[i], min(block.index(m.stmt) for m in hit)
-        lo = self._comments_above(stmt, block[i - 1].end_lineno + 1)
-        inner = [e for e in self.edits.edits if e[0] >= lo and e[2] <= stmt.end_lineno]
-        for e in inner:
-            self.edits.edits.remove(e)
-        text = apply("".join(self.edits.lines[lo - 1:stmt.end_lineno]),
-                     [(a - lo + 1, b, c - lo + 1, d, new) for a, b, c, d, new in inner])
-        self.edits.edits.append((lo, 0, *self.edits.lines_end(stmt.end_lineno), ""))
-        at = self._comments_above(block[first], block[first - 1].end_lineno + 1 if first else 1)
-        self.inserts.setdefault(at, []).append(text if text.endswith("\n") else text + "\n")
+        text = _take(self.edits, stmt, block[i - 1].end_lineno + 1)
+        at = _comments_above(self.edits, block[first], block[first - 1].end_lineno + 1 if first else 1)
+        self.inserts.setdefault(at, []).append(text)
         names = " and ".join(sorted(f"`{m.name}`" for m in hit))
         code = " ".join(self.edits.source(stmt).split())  # on one line
         self.edits.swap(stmt.lineno, f"`{code}` moved up, before {names} is made: on XLA "
                         f".to() makes new parameters, and an optimizer made before it would "
                         f"train nothing")
 
-    def _comments_above(self, stmt, floor: int) -> int:
-        """The first of the comment lines right above `stmt` (not above line `floor`)."""
-        at = stmt.lineno
-        while at - 1 >= floor and self.edits.lines[at - 2].strip().startswith("#"):
-            at -= 1
-        return at
+    def _move_down(self, block, i, hit) -> None:
+        """Take the optimizers' lines to just after the move block[i]: what the move reads
+        is set between them."""
+        stmt = block[i]
+        texts = [_take(self.edits, m.stmt, block[block.index(m.stmt) - 1].end_lineno + 1
+                       if block.index(m.stmt) else 1)
+                 for m in sorted(hit, key=lambda m: m.stmt.lineno)]
+        if stmt.end_lineno < len(self.edits.lines):
+            self.inserts.setdefault(stmt.end_lineno + 1, []).extend(texts)
+        else:
+            end = len(self.edits.lines[-1].encode())
+            lead = "" if self.edits.lines[-1].endswith("\n") else "\n"
+            self.edits.edits.append((stmt.end_lineno, end, stmt.end_lineno, end, lead + "".join(texts)))
+        names = " and ".join(sorted(f"`{m.name}`" for m in hit))
+        code = " ".join(self.edits.source(stmt).split())
+        self.edits.swap(stmt.lineno, f"{names} moved down, after `{code}`: on XLA .to() makes "
+                        f"new parameters, and an optimizer made before it would train nothing")
+
+
+
+def _down_blocked(edits, block, i, hit) -> bool:
+    """Whether taking the optimizers `hit` down, to just after the move block[i], could
+    change what the script does: a statement between uses one, or binds what one reads."""
+    if hasattr(block[i], "body") or not edits.owns_lines(block[i]) or any(
+            m.block is not block or not isinstance(m.stmt, ast.Assign)
+            or not edits.owns_lines(m.stmt) for m in hit):
+        return True
+    names = {m.name for m in hit}
+    reads = set().union(*(chains(m.stmt) for m in hit))
+    for s in block[min(block.index(m.stmt) for m in hit) + 1:i + 1]:
+        if any(s is m.stmt for m in hit):
+            continue
+        if any(_overlap(t, n) for t in chains(s) | chains(s, store=True) for n in names) or \
+                s is not block[i] and any(_overlap(b, r) for b in chains(s, store=True) for r in reads):
+            return True
+    return False
+
+
+def _take(edits, stmt, floor: int) -> str:
+    """Remove `stmt`'s lines (with the comments right above it, not above line `floor`) and
+    return their text, with port's own edits in them applied."""
+    lo = _comments_above(edits, stmt, floor)
+    inner = [e for e in edits.edits if e[0] >= lo and e[2] <= stmt.end_lineno]
+    for e in inner:
+        edits.edits.remove(e)
+    text = apply("".join(edits.lines[lo - 1:stmt.end_lineno]),
+                 [(a - lo + 1, b, c - lo + 1, d, new) for a, b, c, d, new in inner])
+    edits.edits.append((lo, 0, *edits.lines_end(stmt.end_lineno), ""))
+    return text if text.endswith("\n") else text + "\n"
+
+
+def _comments_above(edits, stmt, floor: int) -> int:
+    """The first of the comment lines right above `stmt` (not above line `floor`)."""
+    at = stmt.lineno
+    while at - 1 >= floor and edits.lines[at - 2].strip().startswith("#"):
+        at -= 1
+    return at
 
 
 def optimizers_made(stmt) -> List[Tuple[str, ast.Assign]]:
@@ -203,6 +253,6 @@ def depends(stmt, model: str, optimizers: set, needs: set) -> bool:
 
 RULES = [
     Rule("order.move-before-optimizer", "a model's move made after the optimizer made from "
-         "its parameters goes up, before it, where nothing between depends on the order; "
-         "anywhere else it is listed", ast.Module, always, lambda ctx, tree: MovesFirst(ctx).port()),
+         "its parameters goes up, before it, or else the optimizer goes down, after it, where "
+         "nothing between depends on the order; anywhere else it is listed", ast.Module, always, lambda ctx, tree: MovesFirst(ctx).port()),
 ]
