@@ -601,3 +601,15 @@ def test_port_of_a_script_ports_the_local_modules_it_imports(tmp_path):
         assert (tmp_path / name).read_text() == text
     for ported in tmp_path.glob("*_tpu.py"):
         compile(ported.read_text(), str(ported), "exec")
+
+
+def test_port_of_a_project_folder_ports_its_one_entry_script(tmp_path, capsys):
+    from tpu_utility.port import main
+    for name, text in PROJECT.items():
+        (tmp_path / name).write_text(text)
+    assert main([str(tmp_path)]) == 0
+    assert "    tu.run(main, cores=8)\n" in (tmp_path / "main_tpu.py").read_text()
+    assert (tmp_path / "loops_tpu.py").exists()
+    (tmp_path / "other.py").write_text('if __name__ == "__main__":\n    pass\n')
+    assert main([str(tmp_path)]) == 2  # two scripts: it names them, and writes nothing
+    assert "has 2 scripts" in capsys.readouterr().out

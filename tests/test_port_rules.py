@@ -603,3 +603,21 @@ def test_an_optimizer_goes_down_after_a_move_that_reads_what_is_set_between():
                        "    sched = StepLR(opt)\n    net.to(device)\n")
     assert kept.text.startswith("def main(net):\n    opt = SGD(") and [r for _, r in kept.note_rules] == [
         "order.move-before-optimizer"]
+
+
+def test_every_note_whose_fix_is_code_compiles_with_its_fix_written_in():
+    # (issue 34) a note said "make it tu.optimizer_step(scaler)" for scaler.step(opt):
+    # each fix that is code is written into the line it names, and the file must compile
+    from tpu_utility.port.edits import apply
+    sources = [textwrap.dedent(c.before) for c in CASES if not c.script] + [
+        "def f(ds, train):\n    dl = DataLoader(ds, batch_size=8,\n                    shuffle=train)\n",
+        "def fit(model, trainer, loader):\n    for x in loader:\n        model(x).backward()\n"
+        "        trainer.step()\n",
+        "def main(cfg):\n    device = torch.device(cfg['mode'])\n"]
+    fixed = set()
+    for source in sources:
+        result = port_source(source)
+        for line, fix in result.note_fixes:
+            compile(apply(source, [(*where, code) for where, code in fix]), "fixed", "exec")
+            fixed.add(dict(result.note_rules)[line])
+    assert fixed == {"loaders.dataloader", "steps.optimizer-step", "device.torch-device"}

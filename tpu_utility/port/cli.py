@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import sys
 from typing import List
 
@@ -13,10 +14,12 @@ from .pipeline import PortResult
 from .project import port_project
 
 HELP = """\
-usage: python -m tpu_utility port SCRIPT.py|NOTEBOOK.ipynb ...
+usage: python -m tpu_utility port SCRIPT.py|NOTEBOOK.ipynb|PROJECT_FOLDER ...
 
 Writes SCRIPT_tpu.py (or NOTEBOOK_tpu.ipynb) next to each file, which it never edits,
-prints the diff, and lists by line what it could not do safely, with the fix.
+prints the diff, and lists by line what it could not do safely, with the fix. The local
+modules a script imports are ported with it (MODULE_tpu.py); a folder is its one script
+with an `if __name__ == "__main__":` guard.
 
 It swaps: the device for tu.get_device(); DataLoader(...) for tu.make_loader(...);
 opt.step() for tu.optimizer_step(opt); autocast and GradScaler for tu's; torch.save for
@@ -66,14 +69,34 @@ def port(path: str, *, write: bool = True) -> PortResult:
     return result
 
 
+def entry_scripts(folder: str) -> List[str]:
+    """The scripts of `folder` that run as a program: a `__main__` guard (not ported ones)."""
+    found = []
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py") and not name.endswith("_tpu.py"):
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                text = f.read()
+            if re.search(r"^if __name__ == ['\"]__main__['\"]\s*:", text, re.M):
+                found.append(name)
+    return found
+
+
 def main(argv: List[str]) -> int:
     """The command: port each file, print the diff and the list; 0, or 2 on bad use."""
     if not argv or argv[0] in ("-h", "--help"):
         print(HELP if argv else HELP.split("\n\n")[0], file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     for path in argv:
+        if os.path.isdir(path):  # a project: its one entry script, with its modules
+            entries = entry_scripts(path)
+            if len(entries) != 1:
+                print(f"port: {path} has {len(entries)} scripts with an `if __name__ == "
+                      f"\"__main__\":` guard ({', '.join(entries) or 'none'}): name the one "
+                      f"to port, as `port {os.path.join(path, 'main.py')}`")
+                return 2
+            path = os.path.join(path, entries[0])
         if not os.path.isfile(path) or os.path.splitext(path)[1] not in (".py", ".ipynb"):
-            print(f"port: {path} is not a .py or .ipynb file")
+            print(f"port: {path} is not a .py or .ipynb file, nor a folder of one project")
             return 2
         with open(path, encoding="utf-8") as f:
             before = f.read()

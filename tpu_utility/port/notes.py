@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
-from .edits import Edits
+from .edits import Edits, span
 from .facts import HOST_READS, ModuleFacts
 
 
@@ -16,11 +16,14 @@ class Notes:
         self.facts = facts
         self.todo: List[Tuple[int, str]] = []
         self.rules: List[str] = []  # the rule id of each of `todo`
+        self.fixes: List[list] = []  # each note's fix, where it is code: [(span, code)]
         self.noted_loops: set = set()  # evaluation loops whose host reads are listed
 
-    def add(self, line: int, what: str) -> None:
+    def add(self, line: int, what: str, fix=()) -> None:
+        """A note on `line`; `fix`, where the fix is code: (node, the code for it) pairs."""
         self.todo.append((line, what))
         self.rules.append(self.edits.rule)
+        self.fixes.append([(span(node), code) for node, code in fix])
 
     def top_level_device(self, line: int) -> None:
         self.add(line, "the device is chosen at the top level, which starts the XLA runtime "
@@ -35,7 +38,7 @@ class Notes:
 
     def device_from_setting(self, node) -> None:
         self.add(node.lineno, f"`{self.edits.source(node)}` takes the device from a setting: "
-                 f"where it names cuda, use tu.get_device()")
+                 f"where it names cuda, use tu.get_device()", fix=[(node, "tu.get_device()")])
 
     def host_read(self, node, attr: str) -> None:
         """A tensor read on the host in a loop: every training step, or batch by batch in

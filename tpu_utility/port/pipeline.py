@@ -26,6 +26,9 @@ class PortResult:
     swap_rules: List[Tuple[int, str]] = field(default_factory=list)
     note_rules: List[Tuple[int, str]] = field(default_factory=list)
     modules: List["PortResult"] = field(default_factory=list)  # local modules, ported too
+    # (line, [(span, code)]) of each note whose fix is code, spans of the source as given
+    # (a script port wrapped has none)
+    note_fixes: List[Tuple[int, list]] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"{len(self.swaps)} swaps made"]
@@ -81,6 +84,7 @@ def port_source(source: str, optimizers: Optional[set] = None,
     edits, notes = finder.edits, finder.notes
     swaps = sorted(zip(edits.swaps, edits.swap_rules))
     todo = sorted(zip(notes.todo, notes.rules))
+    fixes = [(line, fix) for (line, _), fix in zip(notes.todo, notes.fixes) if fix]
     if wrapped is not None:  # report the original's lines
         what = (f"training at the top level -> def {wrapped.name}(), run on every core by "
                 f"tu.run({wrapped.name}, cores=8)")
@@ -88,6 +92,7 @@ def port_source(source: str, optimizers: Optional[set] = None,
                        + [((wrapped.start, what), WRAP.id)])
         todo = sorted([((wrapped.line(n), w), r) for (n, w), r in todo]
                       + [(note, WRAP.id) for note in wrapped.notes])
+        fixes = []
     return PortResult(apply(source, edits.edits), [s for s, _ in swaps], [t for t, _ in todo],
                       swap_rules=[(s[0], r) for s, r in swaps],
-                      note_rules=[(t[0], r) for t, r in todo])
+                      note_rules=[(t[0], r) for t, r in todo], note_fixes=fixes)

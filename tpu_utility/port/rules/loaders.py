@@ -102,7 +102,8 @@ def _port_loader(ctx: Context, node) -> None:
     elif "shuffle" in given and not isinstance(value["shuffle"], ast.Constant):
         shuffle = ctx.edits.source(value["shuffle"])
         notes.add(node.lineno, f"DataLoader(shuffle={shuffle}): pass train=True for "
-                  f"training, train=False for evaluation")
+                  f"training, train=False for evaluation",
+                  fix=[(node.func, "tu.make_loader"), (given["shuffle"], f"train={shuffle}")])
     else:
         _written_options(ctx, node, given, value)
 

@@ -185,7 +185,8 @@ def _optimizer_step(ctx: Context, node) -> None:
                       f"does not know {opt} as an optimizer; if it is one, make it "
                       f"tu.optimizer_step({opt}), which averages the gradients over "
                       f"replicas; if it updates the weights itself, call "
-                      f"tu.average_gradients(params) before it")
+                      f"tu.average_gradients(params) before it",
+                      fix=[(node, f"tu.optimizer_step({opt})")])
 
 
 CALL_RULES = [
