@@ -1,7 +1,9 @@
 """Files written whole or not at all, and output paths checked before any work."""
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from typing import IO, Callable, Optional
 
 
@@ -9,7 +11,8 @@ def atomic_write(path: str, dump: Callable[[IO[bytes]], None], *, fsync: bool = 
     """Call `dump(f)` on a temporary file beside `path`, then rename it to `path`.
 
     A crash, a kill or a full disk mid-write leaves the old file (or none), never half a
-    new one, and no temporary file behind where Python still runs.
+    new one, and no temporary file behind where Python still runs. A file it replaces
+    keeps its permission bits, and a read-only one is refused (`replaceable_mode`).
 
     Example:
         >>> import os, tempfile
@@ -18,6 +21,7 @@ def atomic_write(path: str, dump: Callable[[IO[bytes]], None], *, fsync: bool = 
         >>> open(path, "rb").read()
         b'abc'
     """
+    mode = replaceable_mode(path)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -25,11 +29,39 @@ def atomic_write(path: str, dump: Callable[[IO[bytes]], None], *, fsync: bool = 
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
+        if mode is not None:  # the file it replaces keeps its permissions
+            os.chmod(tmp, mode)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
     return path
+
+
+def replaceable_mode(path: str) -> Optional[int]:
+    """The permission bits of the file at `path` that a write may replace (None: no file).
+
+    A rename replaces a file whatever its permissions; a file its owner may not write
+    (`chmod 444 best.pt`) was protected on purpose, so it is refused, as `open(path, "w")`
+    refuses it for anyone but root.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "best.pt")
+        >>> replaceable_mode(path) is None
+        True
+    """
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    if not st.st_mode & stat.S_IWUSR or not os.access(path, os.W_OK):
+        raise PermissionError(errno.EACCES, f"read-only (mode {stat.S_IMODE(st.st_mode):o}), "
+                              f"so it is protected: make it writable (chmod u+w) to replace "
+                              f"it, or write another name", path)
+    return stat.S_IMODE(st.st_mode)
 
 
 def check_writable(path: Optional[str], argument: str) -> None:

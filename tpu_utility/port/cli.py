@@ -3,23 +3,26 @@ to the original, print the diff and what was left."""
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 import sys
 from typing import List
 
 from ..files import atomic_write
+from .facts import mask_magics
 from .notebook import add_import, code_lines, port_notebook
 from .pipeline import PortResult
 from .project import port_project
 
 HELP = """\
-usage: python -m tpu_utility port SCRIPT.py|NOTEBOOK.ipynb|PROJECT_FOLDER ...
+usage: python -m tpu_utility port [--force] SCRIPT.py|NOTEBOOK.ipynb|PROJECT_FOLDER ...
 
 Writes SCRIPT_tpu.py (or NOTEBOOK_tpu.ipynb) next to each file, which it never edits,
 prints the diff, and lists by line what it could not do safely, with the fix. The local
 modules a script imports are ported with it (MODULE_tpu.py); a folder is its one script
-with an `if __name__ == "__main__":` guard.
+with an `if __name__ == "__main__":` guard. An output that exists and differs from what
+port writes now is replaced only with --force; a read-only one never.
 
 It swaps: the device for tu.get_device(); DataLoader(...) for tu.make_loader(...);
 opt.step() for tu.optimizer_step(opt); autocast and GradScaler for tu's; torch.save for
@@ -32,15 +35,23 @@ function, train_fn, run on every core by tu.run(train_fn, cores=8).
 Run the ported file with python as before. docs/porting.md has the details."""
 
 
-def port(path: str, *, write: bool = True) -> PortResult:
+def port(path: str, *, write: bool = True, force: bool = False) -> PortResult:
     """Port a .py script or a .ipynb notebook; write `<name>_tpu.<ext>` next to it.
 
     The original is never edited. A notebook is ported cell by cell (line numbers in the
-    report count from each cell's first line, as "line M: cell N").
+    report count from each cell's first line, as "line M: cell N"). Nothing is written
+    unless every file port would write compiles, and an output that exists and differs
+    from what port writes now (edited by hand, or from another version of the original)
+    is replaced only with `force=True`.
 
     Args:
         path: the script or notebook.
         write: whether to write the ported file (its path is then the result's `output`).
+        force: replace outputs that exist and differ (the command's `--force`).
+
+    Raises:
+        ValueError: with one sentence, where `path` is not UTF-8 text or not a notebook, an
+            output would not compile, or an output differs and `force` is False.
 
     Example:
         >>> import os, tempfile
@@ -53,20 +64,65 @@ def port(path: str, *, write: bool = True) -> PortResult:
             return torch.ones(2).to(tu.get_device())
         <BLANKLINE>
     """
-    with open(path, encoding="utf-8") as f:
-        original = f.read()
+    try:
+        with open(path, encoding="utf-8-sig") as f:  # a BOM, which Python accepts, too
+            original = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"port: {path} is not UTF-8 text (byte {e.start}): port reads Python "
+                         f"scripts and notebooks; nothing written") from None
     base, ext = os.path.splitext(path)
     if ext == ".ipynb":
+        try:
+            json.loads(original)
+        except ValueError as e:
+            raise ValueError(f"port: {path} is not a notebook: its JSON breaks at line "
+                             f"{getattr(e, 'lineno', '?')} ({getattr(e, 'msg', e)}); nothing written") from None
         result = port_notebook(original)
     else:
         result = port_project(path, original)
         for ported in [result] + result.modules:
             ported.text = add_import(ported.text)
+    result.output = f"{base}_tpu{ext}"
+    outputs = [result] + result.modules
+    for ported in outputs:
+        _check_compiles(ported.text, ported.output, path)
     if write:
-        result.output = f"{base}_tpu{ext}"
-        for ported in [result] + result.modules:
+        for ported in outputs:
+            _check_replaceable(ported.output, ported.text, force)
+        for ported in outputs:
             atomic_write(ported.output, lambda f, text=ported.text: f.write(text.encode("utf-8")))
     return result
+
+
+def _check_compiles(text: str, output: str, path: str) -> None:
+    """Every file port writes compiles (a notebook: each code cell, IPython lines masked)."""
+    sources = [text] if not output.endswith(".ipynb") else [
+        mask_magics("".join(c["source"]) if isinstance(c["source"], list) else c["source"])
+        for c in json.loads(text).get("cells", []) if c.get("cell_type") == "code"]
+    for source in sources:
+        try:
+            compile(source, output, "exec")
+        except SyntaxError as e:
+            raise ValueError(f"port: what it would write as {output} does not compile (line "
+                             f"{e.lineno}: {e.msg}), so nothing was written; this is port's "
+                             f"fault: please report it with {path}") from None
+
+
+def _check_replaceable(output: str, text: str, force: bool) -> None:
+    """An output that exists is replaced only where it is what port writes, or with force."""
+    if not os.path.isfile(output) or force:
+        return
+    with open(output, encoding="utf-8", errors="replace") as f:
+        if f.read() == text:
+            return
+    raise ValueError(f"port: {output} exists and differs from what port writes now (edited "
+                     f"by hand, or ported from another version); nothing written: move it "
+                     f"away, or pass --force to replace it")
+
+
+def result_name(path: str) -> str:
+    base, ext = os.path.splitext(path)
+    return f"{base}_tpu{ext}"
 
 
 def entry_scripts(folder: str) -> List[str]:
@@ -86,7 +142,8 @@ def main(argv: List[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(HELP if argv else HELP.split("\n\n")[0], file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
-    for path in argv:
+    force = "--force" in argv
+    for path in [a for a in argv if a != "--force"]:
         if os.path.isdir(path):  # a project: its one entry script, with its modules
             entries = entry_scripts(path)
             if len(entries) != 1:
@@ -98,13 +155,20 @@ def main(argv: List[str]) -> int:
         if not os.path.isfile(path) or os.path.splitext(path)[1] not in (".py", ".ipynb"):
             print(f"port: {path} is not a .py or .ipynb file, nor a folder of one project")
             return 2
-        with open(path, encoding="utf-8") as f:
-            before = f.read()
         try:
-            result = port(path)
+            result = port(path, force=force)
         except SyntaxError as e:
             print(f"port: {path} does not parse (line {e.lineno}: {e.msg}); nothing written")
             return 2
+        except ValueError as e:
+            print(e)
+            return 2
+        except OSError as e:
+            print(f"port: cannot write {e.filename or result_name(path)}: {e.strerror or e}; "
+                  f"pick a folder it can write, or make the file writable")
+            return 2
+        with open(path, encoding="utf-8-sig") as f:
+            before = f.read()
         print("".join(difflib.unified_diff(code_lines(before, path), code_lines(result.text, path),
                                            path, result.output)))
         print(f"wrote {result.output}: {result}")

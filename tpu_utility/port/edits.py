@@ -5,7 +5,18 @@ recorded with the id of the rule that made it."""
 from __future__ import annotations
 
 import ast
+import re
 from typing import List, Tuple
+
+
+_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+$")
+
+
+def split_lines(text: str) -> List[str]:
+    """`text`'s lines, with their ends, where Python's parser breaks them (\\n, \\r\\n,
+    \\r): not at a form feed or the other breaks `str.splitlines` also takes, or the
+    spans `ast` gives would land on the wrong lines."""
+    return _LINE.findall(text)
 
 
 def span(node) -> Tuple[int, int, int, int]:
@@ -19,7 +30,7 @@ def inside(inner, outer) -> bool:
 
 def apply(source: str, edits) -> str:
     """Splice the edits ((line, col, end_line, end_col, new), as `span`) into source."""
-    lines = source.splitlines(keepends=True)
+    lines = split_lines(source)
     for line, col, end_line, end_col, new in sorted(edits, reverse=True):
         head = lines[line - 1].encode()[:col].decode()
         tail = lines[end_line - 1].encode()[end_col:].decode()

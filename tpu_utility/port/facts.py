@@ -259,7 +259,7 @@ def mask_magics(source: str) -> str:
     """
     out = []
     depth, quote, continued = 0, "", False  # brackets open, the string open, a trailing `\`
-    for line in source.splitlines(keepends=True):
+    for line in re.findall(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+$", source):  # ast's line breaks
         stripped = line.lstrip()
         if not depth and not quote and not continued and stripped[:1] in ("!", "%"):
             out.append(line[:len(line) - len(stripped)] + "pass" + ("\n" if line.endswith("\n") else ""))

@@ -13,6 +13,7 @@ import json
 import re
 from typing import List, Optional
 
+from .edits import split_lines
 from .facts import mask_magics
 from .pipeline import PortResult, port_source
 from .rules.structure import WRAP
@@ -24,7 +25,7 @@ def add_import(text: str) -> str:
         return text
     tree = ast.parse(mask_magics(text))
     imports = [s for s in tree.body if isinstance(s, (ast.Import, ast.ImportFrom))]
-    lines = text.splitlines(keepends=True)
+    lines = split_lines(text)
     at = imports[-1].end_lineno if imports else 0
     lines.insert(at, "import tpu_utility as tu\n")
     return "".join(lines)
@@ -58,7 +59,7 @@ def _wrapped(notebook) -> Optional[PortResult]:
         text = _cell_source(cells[n])
         joined.append(f"{_MARK}{n + 1}\n")
         where.append((n + 1, 0))
-        lines = text.splitlines(keepends=True) or ["\n"]
+        lines = split_lines(text) or ["\n"]
         lines[-1] = lines[-1] if lines[-1].endswith("\n") else lines[-1] + "\n"
         joined += lines
         where += [(n + 1, i) for i in range(1, len(lines) + 1)]
@@ -66,7 +67,7 @@ def _wrapped(notebook) -> Optional[PortResult]:
     if not any(rule == WRAP.id for _, rule in result.swap_rules):
         return None
     out_cells, current = [], None  # the ported text split at the markers left at the top
-    for line in result.text.splitlines(keepends=True):
+    for line in split_lines(result.text):
         if line.startswith(_MARK):
             current = {"cell_type": "code", "metadata": {}, "execution_count": None,
                        "outputs": [], "source": [], "_from": int(line[len(_MARK):])}
@@ -124,7 +125,7 @@ def port_notebook(original: str) -> PortResult:
             continue
         source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
         result = port_source(source, optimizers, train_fns)
-        cell["source"] = result.text.splitlines(keepends=True)
+        cell["source"] = split_lines(result.text)
         out.swaps += [(line, f"cell {n}: {what}") for line, what in result.swaps]
         out.todo += [(line, f"cell {n}: {what}") for line, what in result.todo]
         out.swap_rules += result.swap_rules
@@ -137,7 +138,7 @@ def _with_import(notebook, out: PortResult) -> PortResult:
     first = next((cell for cell in notebook["cells"] if cell.get("cell_type") == "code"), None)
     if out.swaps and first is not None:
         if isinstance(first["source"], str):
-            first["source"] = first["source"].splitlines(keepends=True)
+            first["source"] = split_lines(first["source"])
         magics = 0  # a cell magic (%%time, %%capture) must stay the cell's first line
         while magics < len(first["source"]) and first["source"][magics].startswith("%%"):
             magics += 1

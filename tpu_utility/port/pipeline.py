@@ -6,7 +6,7 @@ import ast
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-from .edits import apply
+from .edits import apply, split_lines
 from .facts import mask_magics, module_facts
 from .rules import Finder
 from .rules.structure import WRAP, training_functions, trains
@@ -78,7 +78,7 @@ def port_source(source: str, optimizers: Optional[set] = None,
             source = wrapped.text
             tree = parse(source)
             facts = module_facts(tree)
-    finder = Finder(source.splitlines(keepends=True), facts, optimizers, train_fns=train_fns)
+    finder = Finder(split_lines(source), facts, optimizers, train_fns=train_fns)
     finder.visit(tree)
     finder.passes(tree)
     edits, notes = finder.edits, finder.notes

@@ -20,7 +20,7 @@ def local_modules(path: str) -> Dict[str, str]:
     """{module name: file} of the modules beside `path` that it imports, and theirs."""
     folder, found, todo = os.path.dirname(os.path.abspath(path)), {}, [path]
     while todo:
-        with open(todo.pop(), encoding="utf-8") as f:
+        with open(todo.pop(), encoding="utf-8-sig") as f:
             tree = parse(f.read())
         for name in _imported(tree):
             file = os.path.join(folder, name + ".py")
@@ -43,7 +43,7 @@ def _imported(tree) -> List[str]:
 def port_project(path: str, source: str) -> PortResult:
     """The entry script `path` (its text `source`) ported with its local modules; the
     modules' results are in `.modules`, each with its `output`."""
-    modules = {name: open(file, encoding="utf-8").read() for name, file in local_modules(path).items()}
+    modules = {name: open(file, encoding="utf-8-sig").read() for name, file in local_modules(path).items()}
     trees = {name: parse(text) for name, text in modules.items()}
     facts = {name: module_facts(tree) for name, tree in trees.items()}
     optimizers = set(module_facts(parse(source)).optimizers)

@@ -25,6 +25,8 @@ import ast
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Set, Tuple
 
+from .edits import split_lines
+
 _DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 _GLOBAL_WIDTH = 88
 
@@ -82,7 +84,7 @@ def wrap_top_level(source: str, tree: ast.Module, trains: Callable[[ast.stmt, bo
                       and any(trains(t, True) for t in s.body)), None)
         if guard is None:
             return None
-    lines = source.splitlines(keepends=True)
+    lines = split_lines(source)
     if lines and not lines[-1].endswith("\n"):
         lines[-1] += "\n"
     in_string = _string_lines(tree)
