@@ -302,3 +302,53 @@ def test_batches_it_cannot_augment_are_refused_with_the_fix():
         aug.train_batch(torch.zeros(2, 3, 8, 8), keys)
     with pytest.raises(TypeError, match="augment must be what tu.aug_transforms"):
         tu.make_loader([(torch.zeros(3, 4, 4), 0)] * 4, 2, augment={"flip": True})
+
+
+# -- issue 35: arguments and first batches that would make garbage -------------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(normalize=((0.5, 0.5, 0.5), (0.2, 0.0, 0.2))), "each std above 0 (a 0 gives inf pixels)"),
+    (dict(normalize=((0.5, 0.5), (0.2, 0.2, 0.2))), "as many finite means as stds"),
+    (dict(max_rotate=math.inf), "max_rotate must be finite, got inf"),
+    (dict(max_translate=math.inf), "max_translate must be finite"),
+    (dict(mixup=math.inf, num_classes=3), "mixup must be finite"),
+    (dict(max_zoom=math.inf), "max_zoom must be finite"),
+])
+def test_arguments_that_would_make_inf_or_nan_pixels_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=re_escape(message)):
+        tu.aug_transforms(**kwargs)
+    # the argument checked is the one that made garbage before (issue 35's cases)
+
+
+def re_escape(text):
+    import re
+    return re.escape(text)
+
+
+def test_normalize_refuses_a_zero_std():
+    with pytest.raises(ValueError, match=re_escape("std must be finite and above 0")):
+        tu.normalize(torch.rand(3, 2, 2), mean=(0.5, 0.5, 0.5), std=(0.2, 0.0, 0.2))
+
+
+@pytest.mark.parametrize("samples, kwargs, message", [
+    # labels outside [0, num_classes): the mixed rows would not sum to 1
+    ([(torch.zeros(3, 8, 8, dtype=torch.uint8), torch.tensor(3))] * 4, dict(mixup=0.4, num_classes=3),
+     "labels must be class indices in [0, num_classes=3)"),
+    ([(torch.zeros(3, 8, 8, dtype=torch.uint8), -1)] * 4, dict(cutmix=1.0, num_classes=3),
+     "labels must be class indices in [0, num_classes=3)"),
+    # float pixels in 0..255: every pixel clipped to white
+    ([(torch.full((3, 8, 8), 255.0), 0)] * 4, {}, "float images must be in [0, 1], this one reaches 255"),
+    # channels-last uint8: [H, W, 3] would be read as C=H
+    ([(torch.zeros(8, 8, 3, dtype=torch.uint8), 0)] * 4, {}, "channels last: return image.permute(2, 0, 1)"),
+])
+def test_first_batches_that_would_augment_into_garbage_are_refused_with_the_fix(samples, kwargs, message):
+    loader = tu.make_loader(samples, 2, augment=tu.aug_transforms(**kwargs), num_workers=0)
+    with pytest.raises(ValueError, match=re_escape(message)):
+        next(iter(loader))
+
+
+def test_good_samples_pass_the_first_batch_checks():
+    samples = [(torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8), i % 3) for i in range(4)]
+    x, y = next(iter(tu.make_loader(samples, 2, augment=tu.aug_transforms(mixup=0.4, num_classes=3),
+                                    num_workers=0)))
+    assert tuple(x.shape) == (2, 3, 8, 8) and torch.allclose(y.sum(1).cpu(), torch.ones(2))

@@ -8,6 +8,7 @@ host). Images are float NCHW in [0, 1] here; masks and factors have one row per 
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence, Tuple
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -164,6 +165,9 @@ def _pixels_and_stats(x, mean, std, who: str):
         if len(values) not in (1, x.shape[-3]):
             raise ValueError(f"{name} has {len(values)} values but the images have "
                              f"{x.shape[-3]} channels (dim -3 of shape {tuple(x.shape)})")
+        if not all(math.isfinite(v) for v in values) or name == "std" and min(values) <= 0:
+            raise ValueError(f"{who}: {name} must be finite{' and above 0' if name == 'std' else ''}"
+                             f" for every channel (pixels would be inf or NaN), got {values}")
         stats.append(torch.tensor(values, dtype=x.dtype, device=x.device).view(-1, 1, 1))
     return x, stats[0], stats[1]
 

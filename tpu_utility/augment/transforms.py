@@ -63,6 +63,35 @@ class Augment:
         `epoch`: made on the host, one op per batch, and uploaded with the batch."""
         return draw.sample_keys(seed, epoch, places)
 
+    def check_samples(self, samples) -> None:
+        """On the host, each training batch's samples before they are collated: the layout
+        and range of the first image, and every label where mixing makes probabilities of
+        them. What would come out as garbage (all-white images, rows that do not sum to 1,
+        channels taken for rows) is refused with the fix."""
+        import torch
+        first = samples[0] if samples else None
+        image = first[0] if isinstance(first, (tuple, list)) and first else first
+        if isinstance(image, torch.Tensor) and image.dim() == 3:
+            if image.shape[0] not in (1, 3, 4) and image.shape[-1] in (1, 3, 4):
+                raise ValueError(f"make_loader(augment=...): images are [C, H, W], this one is "
+                                 f"{tuple(image.shape)}, channels last: return "
+                                 f"image.permute(2, 0, 1) from the dataset")
+            if image.is_floating_point() and image.numel() and float(image.max()) > 1.0 + 1e-3:
+                raise ValueError(f"make_loader(augment=...): float images must be in [0, 1], this "
+                                 f"one reaches {float(image.max()):g}: divide by 255 in the "
+                                 f"dataset, or return uint8 pixels")
+        if self.mixes:
+            for i, sample in enumerate(samples):
+                label = sample[1] if isinstance(sample, (tuple, list)) and len(sample) > 1 else None
+                if isinstance(label, torch.Tensor) and label.is_floating_point():
+                    continue  # probabilities already
+                value = int(label) if isinstance(label, (int, torch.Tensor)) and not isinstance(label, bool) \
+                    and (not isinstance(label, torch.Tensor) or label.numel() == 1) else None
+                if value is None or not 0 <= value < self.num_classes:
+                    raise ValueError(f"aug_transforms(mixup/cutmix): labels must be class indices "
+                                     f"in [0, num_classes={self.num_classes}); a sample's label is "
+                                     f"{label!r}: pass the right num_classes, or remap the labels")
+
     def train_batch(self, batch, keys):
         """A training batch (images, or (images, target, ...)) augmented with `keys`."""
         images, target, rebuild = _split(batch, needs_target=self.mixes)
@@ -283,12 +312,16 @@ def aug_transforms(*, size: Optional[Union[int, Tuple[int, int]]] = None, min_sc
     for name, value in (("max_rotate", max_rotate), ("max_translate", max_translate), ("mixup", mixup),
                         ("cutmix", cutmix)):
         _check_range(name, value, 0, math.inf, "not negative")
+        if not math.isfinite(value):  # an infinite angle, shift or Beta parameter: NaN pixels
+            raise ValueError(f"{name} must be finite, got {value!r}")
     for name, value in (("brightness", brightness), ("contrast", contrast), ("saturation", saturation)):
         _check_range(name, value, 0, 1, "the largest change of the factor from 1")
     _check_pair("ratio", ratio, low=0)
     _check_pair("cutout_ratio", cutout_ratio, low=0)
     _check_pair("cutout_scale", cutout_scale, low=0, high=1)
     _check_pair("(min_zoom, max_zoom)", (min_zoom, max_zoom), low=0)
+    if not math.isfinite(max_zoom):
+        raise ValueError(f"max_zoom must be finite, got {max_zoom!r}")
     if pad_mode not in _PAD_MODES:
         raise ValueError(f"pad_mode must be one of {_PAD_MODES}, got {pad_mode!r}")
     if (mixup or cutmix) and (isinstance(num_classes, bool) or not isinstance(num_classes, int)
@@ -343,6 +376,10 @@ def _stats(normalize):
         return ops.IMAGENET_MEAN, ops.IMAGENET_STD
     try:
         mean, std = normalize
-        return tuple(float(v) for v in mean), tuple(float(v) for v in std)
+        mean, std = tuple(float(v) for v in mean), tuple(float(v) for v in std)
     except (TypeError, ValueError):
         raise ValueError(f"normalize must be None, 'imagenet' or (mean, std), got {normalize!r}") from None
+    if len(mean) != len(std) or not all(map(math.isfinite, mean + std)) or min(std, default=0) <= 0:
+        raise ValueError(f"normalize=(mean, std) needs as many finite means as stds, each std "
+                         f"above 0 (a 0 gives inf pixels), got {normalize!r}")
+    return mean, std

@@ -44,6 +44,9 @@ class Loading:
         samples = self._samples(keys)
         if self.transform is None:
             return samples
+        check = getattr(self.transform, "check_samples", None)  # optional in the protocol
+        if check is not None:
+            check(samples)
         # each sample's key for the device transform, made for the whole batch at once
         return _Keyed(samples, self.transform.keys(self.seed, keys[0][0], [key[2] for key in keys]))
 
