@@ -342,13 +342,16 @@ def test_normalize_refuses_a_zero_std():
     ([(torch.zeros(8, 8, 3, dtype=torch.uint8), 0)] * 4, {}, "channels last: return image.permute(2, 0, 1)"),
 ])
 def test_first_batches_that_would_augment_into_garbage_are_refused_with_the_fix(samples, kwargs, message):
-    loader = tu.make_loader(samples, 2, augment=tu.aug_transforms(**kwargs), num_workers=0)
+    # make_loader's sample reader, as its DataLoader calls it for each training batch (on
+    # the host: no XLA in this process; test_augment_xla.py runs the whole loader)
+    from tpu_utility.data.loading import Loading
+    reader = Loading(samples, len(samples), skip=False, transform=tu.aug_transforms(**kwargs))
     with pytest.raises(ValueError, match=re_escape(message)):
-        next(iter(loader))
+        reader.__getitems__([(0, i, i) for i in range(2)])
 
 
 def test_good_samples_pass_the_first_batch_checks():
+    from tpu_utility.data.loading import Loading
     samples = [(torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8), i % 3) for i in range(4)]
-    x, y = next(iter(tu.make_loader(samples, 2, augment=tu.aug_transforms(mixup=0.4, num_classes=3),
-                                    num_workers=0)))
-    assert tuple(x.shape) == (2, 3, 8, 8) and torch.allclose(y.sum(1).cpu(), torch.ones(2))
+    reader = Loading(samples, 4, skip=False, transform=tu.aug_transforms(mixup=0.4, num_classes=3))
+    assert len(reader.__getitems__([(0, i, i) for i in range(4)]).samples) == 4
