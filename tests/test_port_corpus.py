@@ -85,6 +85,21 @@ def _losses(stdout, shapes):
     return out
 
 
+def _run_jobs(tmp_path, jobs, originals, shapes):
+    """The ported jobs in one XLA process and the originals in another: ({job: losses},
+    {job: losses})."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    ported = run_process([sys.executable, str(driver), json.dumps(jobs)], cwd=tmp_path,
+                         timeout=400, env=script_env())
+    assert ported.returncode == 0 and "=== end" in ported.stdout, ported.stdout[-3000:] + ported.stderr[-3000:]
+    # the originals, in a process without torch_xla: CPU torch as the CUDA script runs there
+    cpu = run_process([sys.executable, str(driver), json.dumps(originals)], cwd=tmp_path,
+                      timeout=120, env=script_env())
+    assert cpu.returncode == 0, cpu.stderr[-3000:]
+    return _losses(ported.stdout, shapes), _losses(cpu.stdout, shapes)
+
+
 def test_ported_corpus_runs_at_1_and_8_cores_and_matches_the_cpu_original(tmp_path):
     jobs, originals = [], []
     for name, (orig, one, eight, _) in SHAPES.items():
@@ -97,16 +112,7 @@ def test_ported_corpus_runs_at_1_and_8_cores_and_matches_the_cpu_original(tmp_pa
             path.write_text(text.replace("cores=8", f"cores={cores}, start_method='fork'"))
             jobs.append([f"{name}:{tag}", str(path), *_split(args)])
         originals.append([f"{name}:cpu", str(CORPUS / f"{name}.py"), *_split(orig)])
-    driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER)
-    ported = run_process([sys.executable, str(driver), json.dumps(jobs)], cwd=tmp_path,
-                         timeout=400, env=script_env())
-    assert ported.returncode == 0 and "=== end" in ported.stdout, ported.stdout[-3000:] + ported.stderr[-3000:]
-    # the originals, in a process without torch_xla: CPU torch as the CUDA script runs there
-    cpu = run_process([sys.executable, str(driver), json.dumps(originals)], cwd=tmp_path,
-                      timeout=120, env=script_env())
-    assert cpu.returncode == 0, cpu.stderr[-3000:]
-    got, want = _losses(ported.stdout, SHAPES), _losses(cpu.stdout, SHAPES)
+    got, want = _run_jobs(tmp_path, jobs, originals, SHAPES)
     for name in SHAPES:
         reference = want[f"{name}:cpu"]
         assert len(reference) >= 3, (name, reference)
@@ -250,15 +256,7 @@ def test_issue_34_shapes_run_at_1_and_8_cores_as_ported_and_match_the_cpu_origin
             jobs.append([f"{name}:{tag}", str(path), *_split(args)])
         source = entry if name != "notebook_top_level" else tmp_path / f"{name}.py"
         originals.append([f"{name}:cpu", str(source), *_split(orig)])
-    driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER)
-    ported = run_process([sys.executable, str(driver), json.dumps(jobs)], cwd=tmp_path,
-                         timeout=400, env=script_env())
-    assert ported.returncode == 0 and "=== end" in ported.stdout, ported.stdout[-3000:] + ported.stderr[-3000:]
-    cpu = run_process([sys.executable, str(driver), json.dumps(originals)], cwd=tmp_path,
-                      timeout=120, env=script_env())
-    assert cpu.returncode == 0, cpu.stderr[-3000:]
-    got, want = _losses(ported.stdout, NEW_SHAPES), _losses(cpu.stdout, NEW_SHAPES)
+    got, want = _run_jobs(tmp_path, jobs, originals, NEW_SHAPES)
     for name in NEW_SHAPES:
         reference = want[f"{name}:cpu"]
         assert len(reference) >= 3, (name, reference)
