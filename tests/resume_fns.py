@@ -138,3 +138,46 @@ def comparable(hist):
     return {"epochs": [{k: v for k, v in vars(e).items() if k not in drop} for e in hist.epochs],
             "lrs": hist.lrs, "moms": hist.moms, "logged": [list(x) for x in hist.logged],
             "best": hist.best}
+
+
+def fold(path, k, folds=2, loss=None, **kwargs):
+    """One fold of a k-fold loop, the Kaggle shape: each fold trains on the rows outside it,
+    every fold with the same model, optimizer, batch size and checkpoint path."""
+    model, opt, _ = setup()
+    rows = [i for i in range(N) if i % folds != k]
+    train = torch.utils.data.Subset(Augmented(), rows)
+    hist = tu.train_one_cycle(model, tu.make_loader(train, BATCH, num_workers=0), opt,
+                              loss or Loss(), 1, max_lr=1e-2, progress=False, checkpoint=path,
+                              **kwargs)
+    return {"state": model.state_dict(), "history": comparable(hist)}
+
+
+class FullDisk(Loss):
+    """cross_entropy that, from its second call on (torch has written what it writes on a
+    first step), lets no file over `limit` bytes be written: the kernel's file size limit
+    fails writes with EFBIG, as a full disk fails them with ENOSPC."""
+
+    def __init__(self, limit):
+        super().__init__()
+        self.limit = limit
+
+    def __call__(self, out, y):
+        import resource
+        if self.calls == 1:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal
+            resource.setrlimit(resource.RLIMIT_FSIZE, (self.limit, resource.RLIM_INFINITY))
+        return super().__call__(out, y)
+
+
+def full_disk(path, limit=2000, **kwargs):
+    """one_cycle on a disk that takes no checkpoint after its first step; its warnings."""
+    import resource
+    import warnings
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = one_cycle(path, FullDisk(limit), **kwargs)
+    finally:  # the result goes back to run() in a file too
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    out["warnings"] = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    return out

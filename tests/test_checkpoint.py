@@ -312,3 +312,93 @@ def test_save_takes_a_path_a_pathlike_or_a_binary_file(tmp_path):
 
     with pytest.raises(OSError, match=r"could not write full.pt: No space left on device \(the disk"):
         tu.save(state, Full())
+
+
+# -- a checkpoint belongs to one run (issue 35) ----------------------------------------------
+
+def test_a_k_fold_loop_on_one_checkpoint_path_is_refused_before_the_second_fold_trains(tmp_path, capfd):
+    path = str(tmp_path / "run.pt")
+    first = run(rf.fold, 1, path, 0)
+    assert len(first["history"]["lrs"]) == 32  # 128 rows in batches of 4: fold 0 trained
+    with pytest.raises(ValueError, match=r"train data 128 rows, hash \w+ here, 128 rows, hash \w+ in "
+                                         r"the checkpoint.*one per fold in a k-fold loop"):
+        run(rf.fold, 1, path, 1)
+    assert saved_place(path) == (32, 0, True)  # fold 0's checkpoint, untouched
+    capfd.readouterr()
+    again = run(rf.fold, 1, path, 0)  # the same fold again: its result, said out loud
+    assert "holds this run, finished" in capfd.readouterr().out
+    assert max_param_diff(first["state"], again["state"]) == 0.0
+    assert sorted(os.listdir(tmp_path)) == ["run.pt"]  # no lock left behind
+
+
+def test_a_half_done_checkpoint_is_not_taken_over_by_a_run_on_other_data(tmp_path):
+    path = str(tmp_path / "run.pt")
+    with pytest.raises(tu.ReplicasExited):  # fold 0 killed at step 20, saved at step 10
+        run(functools.partial(rf.fold, checkpoint_every=10), 1, path, 0, 2, rf.Loss(kill_at=20))
+    assert saved_place(path) == (10, 10, False)
+    with pytest.raises(ValueError, match="train data"):
+        run(functools.partial(rf.fold, checkpoint_every=10), 1, path, 1)
+    assert saved_place(path) == (10, 10, False)
+
+
+def test_two_live_runs_on_one_checkpoint_path_the_second_is_refused(tmp_path):
+    import multiprocessing
+    path, marker = str(tmp_path / "run.pt"), str(tmp_path / "marker")
+    # The first run, in a process of its own, slows down from its 3rd step and says so.
+    first = multiprocessing.get_context("fork").Process(
+        target=run, args=(rf.fold, 1, path, 0, 2, rf.Loss(mark_at=3, marker=marker)))
+    first.start()
+    deadline = time.monotonic() + 120
+    while not os.path.exists(marker) and time.monotonic() < deadline and first.is_alive():
+        time.sleep(0.05)
+    assert os.path.exists(marker)
+    with pytest.raises(RuntimeError, match=r"checkpoint='.*run.pt' is in use by another run that "
+                                           r"is still going \(process \d+\).*its own path"):
+        run(rf.fold, 1, path, 0)
+    first.join(120)
+    assert first.exitcode == 0  # the first run was not disturbed
+    assert saved_place(path) == (32, 0, True)
+    assert sorted(os.listdir(tmp_path)) == ["marker", "run.pt"]
+
+
+def test_a_save_state_file_given_to_train_one_cycle_is_refused_naming_load_state(tmp_path):
+    path = str(tmp_path / "state.pt")
+    run(rf.hand_loop, 1, path, None, 1, 1000)
+    with pytest.raises(ValueError, match=r"written by save_state, not by train_one_cycle.*tu.load_state"):
+        run(rf.one_cycle, 1, path)
+
+
+def test_a_checkpoint_that_cannot_be_written_warns_and_training_goes_on(tmp_path):
+    path = str(tmp_path / "run.pt")
+    with pytest.raises(tu.ReplicasExited):  # 1 core, 64 steps an epoch: saved at step 30
+        run(rf.one_cycle, 1, path, rf.Loss(kill_at=40), 1, 10)
+    before = open(path, "rb").read()
+    out = run(functools.partial(rf.full_disk, epochs=1, checkpoint_every=10), 1, path)
+    assert len(out["history"]["lrs"]) == 30 + 34  # every step after the save ran
+    assert len(out["warnings"]) == 4  # steps 40, 50, 60 and the epoch's end
+    assert all(w.startswith(f"checkpoint: [Errno 27] could not write {path}: File too large; "
+                            f"training goes on") for w in out["warnings"])
+    assert open(path, "rb").read() == before  # the last checkpoint written stays whole
+    assert sorted(os.listdir(tmp_path)) == ["run.pt"]
+
+
+def test_save_refuses_a_file_it_cannot_write_bytes_into_before_any_work(tmp_path):
+    state = {"w": torch.ones(2)}
+    target = tmp_path / "a.pt"
+    target.write_bytes(b"keep")
+    for mode, error, words in (("a", TypeError, "is open in text mode \\('a'\\)"),
+                               ("rb", ValueError, "is open for reading only \\('rb'\\)"),
+                               ("r", TypeError, "is open in text mode \\('r'\\)")):
+        with open(target, mode) as f:
+            with pytest.raises(error, match=f"tu.save\\(obj, f\\): f \\('.*a.pt'\\) {words}.*: open it "
+                                            f"with open\\(path, 'wb'\\), or pass the path"):
+                tu.save(state, f)
+    with open(tmp_path / "b.pt", "wb") as f:
+        pass
+    with pytest.raises(ValueError, match="is closed: call it inside the `with open"):
+        tu.save(state, f)
+    with pytest.raises(IsADirectoryError, match="is a folder: give a file name in it"):
+        tu.save(state, tmp_path)
+    with pytest.raises(NotADirectoryError, match=r"a.pt is a file, not a folder"):
+        tu.save(state, tmp_path / "a.pt" / "model.pt")
+    assert target.read_bytes() == b"keep" and sorted(os.listdir(tmp_path)) == ["a.pt", "b.pt"]

@@ -12,12 +12,13 @@ the random states are put back.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import pickle
 import re
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 from ._tree import flatten, unflatten
 from .devices import is_master, to_cpu
@@ -63,9 +64,12 @@ def save(obj: Any, f: Any) -> Any:
         path = os.fsdecode(os.fspath(f))
     elif callable(getattr(f, "write", None)):
         path = None
+        _check_open_for_writing(f)
     else:
         raise TypeError(f"tu.save(obj, f): f must be a path (str or os.PathLike) or a binary file "
                         f"open for writing, as for torch.save; got {type(f).__name__}")
+    if path is not None and is_master():  # before the transfer: the error, not a lost save
+        check_writable(path, "tu.save(obj, f): f")
     copy = on_cpu(obj)  # every replica: a transfer is a graph cut, which replicas make together
     if path is None:
         # Every replica opened `f` before this call, and open(..., "wb") truncates: without
@@ -74,26 +78,51 @@ def save(obj: Any, f: Any) -> Any:
     if not is_master():
         return None
     name = path if path is not None else getattr(f, "name", repr(f))
-    try:
+    with write_errors(name):
         if path is None:
             torch.save(copy(), f)
             if callable(getattr(f, "flush", None)):
                 f.flush()
         else:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            # Written through a Python file: a full disk then raises ENOSPC, where torch's
-            # own writer says only "unexpected pos".
             cpu_obj = copy()
             atomic_write(path, lambda out: torch.save(cpu_obj, out))
+    return f
+
+
+def _check_open_for_writing(f: Any) -> None:
+    """A file object torch.save can write into; before any transfer, with the fix."""
+    import io
+    name = getattr(f, "name", None)
+    what = f"f ({name!r})" if isinstance(name, str) else "f"
+    mode = getattr(f, "mode", None)
+    if getattr(f, "closed", False):
+        raise ValueError(f"tu.save(obj, f): {what} is closed: call it inside the `with "
+                         f"open(path, 'wb') as f:` block, or pass the path")
+    if isinstance(f, io.TextIOBase) or (isinstance(mode, str) and "b" not in mode):
+        raise TypeError(f"tu.save(obj, f): {what} is open in text mode ({mode!r}), and torch.save "
+                        f"writes bytes: open it with open(path, 'wb'), or pass the path")
+    writable = getattr(f, "writable", None)
+    if callable(writable) and not writable():
+        raise ValueError(f"tu.save(obj, f): {what} is open for reading only ({mode!r}): open it "
+                         f"with open(path, 'wb'), or pass the path")
+
+
+@contextlib.contextmanager
+def write_errors(name: str) -> Iterator[None]:
+    """A failed write as an OSError naming the file and, for a full disk, saying so.
+    torch's writer masks the OSError of a Python file (ENOSPC) with its own RuntimeError
+    ("unexpected pos"), which names neither."""
+    try:
+        yield
     except (OSError, RuntimeError) as e:
-        cause = e  # torch's writer may mask the OSError with its own error on the way out
+        cause = e
         while cause is not None and not isinstance(cause, OSError):
             cause = cause.__context__
         if cause is None:
             raise
         raise OSError(cause.errno, f"could not write {name}: {cause.strerror or cause}"
                       + (" (the disk is full)" if cause.errno == errno.ENOSPC else "")) from e
-    return f
 
 
 def on_cpu(obj: Any):
@@ -232,7 +261,8 @@ def write(path: str, checkpoint: Dict[str, Any]) -> None:
     import torch
     checkpoint = to_cpu(checkpoint)
     if is_master():
-        atomic_write(path, lambda f: torch.save(checkpoint, f), fsync=True)
+        with write_errors(path):
+            atomic_write(path, lambda f: torch.save(checkpoint, f), fsync=True)
 
 
 def read(path: str) -> Optional[Dict[str, Any]]:

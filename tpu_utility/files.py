@@ -1,10 +1,11 @@
 """Files written whole or not at all, and output paths checked before any work."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
-from typing import IO, Callable, Optional
+from typing import IO, Callable, Iterator, Optional
 
 
 def atomic_write(path: str, dump: Callable[[IO[bytes]], None], *, fsync: bool = False) -> str:
@@ -82,8 +83,77 @@ def check_writable(path: Optional[str], argument: str) -> None:
             pass
         os.remove(probe)
     except OSError as e:
+        blocker = _file_in_the_way(directory)
+        if blocker is not None:
+            raise NotADirectoryError(errno.ENOTDIR, f"{argument}={path!r} cannot be written: "
+                                     f"{blocker} is a file, not a folder; pick another path")
         raise OSError(e.errno, f"{argument}={path!r} cannot be written ({e.strerror or e} in "
                       f"{directory}): pick a writable folder, such as /kaggle/working or the "
                       f"current directory") from None
     if os.path.isdir(path):
         raise IsADirectoryError(f"{argument}={path!r} is a folder: give a file name in it")
+
+
+def _file_in_the_way(directory: str) -> Optional[str]:
+    """The nearest existing ancestor of `directory` (itself included) when it is not a folder."""
+    while not os.path.exists(directory):
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            return None
+        directory = parent
+    return None if os.path.isdir(directory) else directory
+
+
+@contextlib.contextmanager
+def exclusive(path: str, argument: str) -> Iterator[None]:
+    """Hold `path` for this process alone while inside: a second live run on the same
+    path is refused, naming the process that holds it.
+
+    The lock is an flock on `path + ".lock"`, which the kernel drops when the holder dies
+    however it dies, so a killed run never leaves a stale lock behind. Where the file
+    system has no flock, nothing is held.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "run.pt")
+        >>> with exclusive(path, "checkpoint"):
+        ...     os.path.exists(path + ".lock")
+        True
+        >>> os.path.exists(path + ".lock")
+        False
+    """
+    import fcntl
+    lock = f"{path}.lock"
+    for _ in range(3):
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RuntimeError(f"{argument}={path!r} is in use by another run that is still "
+                               f"going (process {holder}), and two runs on one path would "
+                               f"overwrite each other's work: give each run its own path (one "
+                               f"per fold in a k-fold loop), or wait for that run to end") from None
+        except OSError:
+            os.close(fd)  # no flock here (some network file systems): nothing to hold
+            yield
+            return
+        try:  # the holder before us may have removed the file between our open and lock
+            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    else:
+        raise RuntimeError(f"{argument}={path!r}: could not lock {lock}, which other runs keep "
+                           f"replacing: give this run its own path")
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(lock)  # while still held: no one can take the removed file's lock after
+        os.close(fd)

@@ -65,8 +65,10 @@ def train_one_cycle(
             with the same arguments and path resumes there, ending where an uninterrupted
             run would have. On SIGTERM it checkpoints at the next step and raises
             `Preempted`. Once the run has finished, a further call loads the final weights
-            and returns the History without training. A checkpoint of another run (epochs,
-            steps, lr, parameter shapes, batch size, cores) is refused.
+            and returns the History without training. A checkpoint of another run (the
+            data, optimizer, epochs, steps, lr, parameter shapes, batch size, cores) is
+            refused, and so is a path another live run is using. A checkpoint that cannot
+            be written warns, and training goes on.
         allow_world_change: resume on another number of cores, at the nearest batch, not
             exactly.
 
@@ -82,16 +84,16 @@ def train_one_cycle(
     """
     o = _Options.check(locals())  # every refusal that needs no device, before any work
     run = _Run.build(model, train_loader, opt, loss_fn, o)
-    resume = Resume.open(o.checkpoint, run)
-    if resume.finished:  # a re-run cell: the trained weights, no training
-        return resume.final()
-    # The optimizer's lr and momentum come back as they were: a second call starts afresh.
-    with run.hypers.restoring(), resume.armed():
-        run.start()
-        resume.restore()  # last: nothing draws from the restored random states before the loop
-        for epoch in run.table.epochs(run.at.epoch):
-            _train_epoch(run, epoch, resume)
-            _end_epoch(run, epoch, resume)
+    with Resume.open(o.checkpoint, run) as resume:  # holds the path until the run ends
+        if resume.finished:  # a re-run cell: the trained weights, no training
+            return resume.final()
+        # The optimizer's lr and momentum come back as they were: a second call starts afresh.
+        with run.hypers.restoring(), resume.armed():
+            run.start()
+            resume.restore()  # last: nothing draws from the restored random states before the loop
+            for epoch in run.table.epochs(run.at.epoch):
+                _train_epoch(run, epoch, resume)
+                _end_epoch(run, epoch, resume)
     return run.finish()
 
 

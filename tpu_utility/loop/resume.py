@@ -13,9 +13,13 @@ in the layout of format tpu_utility.checkpoint/1, so older checkpoints still res
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, ContextManager, Dict, Optional
 
+from .._tree import flatten
 from ..checkpoint import read, restore, state, write
+from ..devices import is_master
+from ..files import exclusive
 from ..preemption import Preempted
 from ..replica import current
 from .state import History, Position
@@ -31,27 +35,54 @@ class Resume:
         self.board = current().stop_board() if path is not None else None
         self.stop: Optional[int] = None  # the step to stop at, once the replicas agreed on one
         self.signature = run_signature(run) if path is not None else None
+        self._held = contextlib.ExitStack()  # the path's lock, while this run may write it
 
     @classmethod
     def open(cls, path: Optional[str], run) -> "Resume":
-        """Read the checkpoint, if any; refuse another run's; put back the History and
-        the loss guard, and set where the run picks up."""
+        """Hold the path (the master: no second live run may write it), read the checkpoint
+        if any, refuse another run's; put back the History and the loss guard, and set where
+        the run picks up. Use it in a `with` block, which lets the path go."""
         self = cls(path, run)
-        self.saved = read(path) if path is not None else None
-        if self.saved is None:
+        if path is None:
             return self
-        ours = self.saved["extra"]["train_one_cycle"]
+        if is_master():
+            self._held.enter_context(exclusive(path, "checkpoint"))
+        try:
+            self.saved = read(path)
+            if self.saved is not None:
+                self._pick_up(self.saved)
+        except BaseException:
+            self._held.close()
+            raise
+        return self
+
+    def _pick_up(self, saved: Dict[str, Any]) -> None:
+        run, path = self.run, self.path
+        ours = saved["extra"].get("train_one_cycle")
+        if not isinstance(ours, dict):
+            raise ValueError(f"checkpoint={path!r} was written by save_state, not by "
+                             f"train_one_cycle, so it holds no place in a one-cycle run: load it "
+                             f"with tu.load_state, or pass another checkpoint path")
         check_same_run(ours["run"], self.signature, path, run.o.allow_world_change)
         run.history.load_state_dict(ours["history"])
         run.guard.load_state_dict(ours["guard"])
         self.finished = ours["complete"]
         if not self.finished:
             run.at = resume_point(ours, self.signature, run.o.grad_accum)
+
+    def __enter__(self) -> "Resume":
         return self
+
+    def __exit__(self, *exc) -> None:
+        self._held.close()
 
     def final(self) -> History:
         """A re-run cell after the run finished: the trained weights, no training; the
         optimizer keeps the caller's lr and momentum, not the checkpoint's last ones."""
+        if is_master():
+            print(f"train_one_cycle: checkpoint={self.path!r} holds this run, finished: its "
+                  f"weights and History are returned without training (delete the file, or pass "
+                  f"another path, to train again)", flush=True)
         with self.run.hypers.restoring():
             restore(self.saved, self.run.model, self.run.opt, None)
         return self.run.history
@@ -108,7 +139,14 @@ class Resume:
                 "history": run.history.state_dict(), "guard": run.guard.state_dict()}
         own = {"loss_sum": run.loss_sum,  # each replica's running loss is its own
                "valid": run.valid.state_dict() if run.valid is not None else None}
-        write(self.path, state(run.model, run.opt, run.train, {"train_one_cycle": ours}, own=own))
+        saved = state(run.model, run.opt, run.train, {"train_one_cycle": ours}, own=own)
+        try:
+            write(self.path, saved)
+        except OSError as e:
+            if self.stop is not None and run.at.step >= self.stop:
+                raise  # a stop that says "everything is saved" must not go on without it
+            warnings.warn(f"checkpoint: {e}; training goes on, and the file keeps the last "
+                          f"checkpoint that was written, if any", RuntimeWarning)
 
     def _preempted(self, epoch: int) -> Preempted:
         run = self.run
@@ -119,9 +157,14 @@ class Resume:
 
 
 def run_signature(run) -> Dict[str, Any]:
-    """What a checkpoint must share with the call that resumes it."""
+    """What a checkpoint must share with the call that resumes it: the model, the
+    optimizer, the data, the schedule and the world."""
     o = run.o
-    return {"epochs": o.epochs, "steps per epoch": run.steps_per_epoch, "max_lr": list(o.max_lrs),
+    groups = [len(g["params"]) for g in run.opt.param_groups]
+    return {"train data": data_fingerprint(run.train.dataset),
+            "valid data": data_fingerprint(run.valid.dataset) if run.valid is not None else None,
+            "optimizer": f"{type(run.opt).__name__} with {groups} parameters per group",
+            "epochs": o.epochs, "steps per epoch": run.steps_per_epoch, "max_lr": list(o.max_lrs),
             "batch size": run.train.per_core_batch_size, "cores": run.engine.world_size,
             "grad_accum": o.grad_accum,
             "schedule": [o.pct_start, o.div, o.div_final, list(o.moms) if o.moms else None],
@@ -136,6 +179,8 @@ def check_same_run(saved: Dict[str, Any], here: Dict[str, Any], path: str,
     for key, value in here.items():
         if key in ("cores", "steps per epoch") and world_changed and allow_world_change:
             continue
+        if key not in saved:  # written before the key existed: its runs were not told apart by it
+            continue
         if saved.get(key) == value:
             continue
         if key == "parameter shapes":
@@ -149,8 +194,9 @@ def check_same_run(saved: Dict[str, Any], here: Dict[str, Any], path: str,
         hint = (" (allow_world_change=True resumes on another number of cores, not exactly)"
                 if world_changed and not allow_world_change else "")
         raise ValueError(f"checkpoint={path!r} was written by a different run: {'; '.join(diffs)}. "
-                         f"Resume it with the same arguments{hint}, or pass another checkpoint "
-                         f"path (or delete this one) to start afresh.")
+                         f"Resume it with the same arguments and data{hint}, or pass another "
+                         f"checkpoint path (one per fold in a k-fold loop), or delete this one "
+                         f"to start afresh.")
 
 
 def resume_point(saved: Dict[str, Any], here: Dict[str, Any], grad_accum: int) -> Position:
@@ -164,3 +210,55 @@ def resume_point(saved: Dict[str, Any], here: Dict[str, Any], grad_accum: int) -
         at.samples = at.samples * old // new
         at.step = at.epoch * here["steps per epoch"] + at.batch // grad_accum
     return at
+
+
+def data_fingerprint(dataset) -> str:
+    """Its length and a hash of up to 8 rows spread over it: enough to tell a k-fold loop's
+    folds apart, for 8 reads. The rows are read under fixed seeds, so a dataset with random
+    transforms gives the same hash each run, and the caller's random states stay as they were."""
+    import hashlib
+    n = len(dataset)
+    digest = hashlib.sha256(str(n).encode())
+    with _seeded():
+        for i in sorted({k * (n - 1) // 7 for k in range(8)} if n else ()):
+            try:
+                row = dataset[i]
+            except Exception as e:  # the loader reports it where it belongs, with its index
+                row = f"error {type(e).__name__}"
+            structure, leaves = flatten(row, plain=True)
+            digest.update(repr(structure).encode())
+            for leaf in leaves:
+                digest.update(_leaf_bytes(leaf))
+    return f"{n} rows, hash {digest.hexdigest()[:12]}"
+
+
+@contextlib.contextmanager
+def _seeded():
+    import random
+    import numpy as np
+    import torch
+    py, npy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        random.seed(0)
+        np.random.seed(0)
+        torch.manual_seed(0)
+        try:
+            yield
+        finally:
+            random.setstate(py)
+            np.random.set_state(npy)
+
+
+def _leaf_bytes(leaf) -> bytes:
+    import numpy as np
+    import torch
+    if isinstance(leaf, torch.Tensor):
+        t = leaf.detach().cpu().contiguous()
+        return f"{t.dtype}{tuple(t.shape)}".encode() + t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    if isinstance(leaf, np.ndarray):
+        return f"{leaf.dtype}{leaf.shape}".encode() + np.ascontiguousarray(leaf).tobytes()
+    if callable(getattr(leaf, "tobytes", None)):  # a PIL image, a numpy scalar
+        return type(leaf).__name__.encode() + leaf.tobytes()
+    text = repr(leaf)
+    # An object's default repr holds its address, which differs between runs.
+    return (type(leaf).__name__ if " at 0x" in text else text).encode()
