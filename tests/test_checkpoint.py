@@ -380,6 +380,9 @@ def test_a_checkpoint_that_cannot_be_written_warns_and_training_goes_on(tmp_path
                             f"training goes on") for w in out["warnings"])
     assert open(path, "rb").read() == before  # the last checkpoint written stays whole
     assert sorted(os.listdir(tmp_path)) == ["run.pt"]
+    os.chmod(path, 0o444)  # protected on purpose: refused before any step, not warned at each save
+    with pytest.raises(PermissionError, match=r"checkpoint='.*run.pt' is read-only \(mode 444\)"):
+        run(rf.full_disk, 1, path)
 
 
 def test_save_refuses_a_file_it_cannot_write_bytes_into_before_any_work(tmp_path):

@@ -66,8 +66,8 @@ def replaceable_mode(path: str) -> Optional[int]:
 
 
 def check_writable(path: Optional[str], argument: str) -> None:
-    """Before any work: `path`'s folder exists (made if not) and takes a new file; the
-    error names the argument, the folder and the cause.
+    """Before any work: `path`'s folder exists (made if not) and takes a new file, and a
+    file already there is not read-only; the error names the argument and the cause.
 
     Example:
         >>> import os, tempfile
@@ -92,6 +92,10 @@ def check_writable(path: Optional[str], argument: str) -> None:
                       f"current directory") from None
     if os.path.isdir(path):
         raise IsADirectoryError(f"{argument}={path!r} is a folder: give a file name in it")
+    try:  # a protected file is refused now, not after the work meant for it
+        replaceable_mode(path)
+    except PermissionError as e:
+        raise PermissionError(e.errno, f"{argument}={path!r} is {e.strerror}") from None
 
 
 def _file_in_the_way(directory: str) -> Optional[str]:
