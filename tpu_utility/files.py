@@ -113,9 +113,9 @@ def exclusive(path: str, argument: str) -> Iterator[None]:
     """Hold `path` for this process alone while inside: a second live run on the same
     path is refused, naming the process that holds it.
 
-    The lock is an flock on `path + ".lock"`, which the kernel drops when the holder dies
-    however it dies, so a killed run never leaves a stale lock behind. Where the file
-    system has no flock, nothing is held.
+    The lock is a POSIX lock on `path + ".lock"`, which the kernel drops when the holder
+    dies however it dies, so a killed run never leaves a stale lock behind. Where the file
+    system has no locks, nothing is held.
 
     Example:
         >>> import os, tempfile
@@ -131,8 +131,10 @@ def exclusive(path: str, argument: str) -> Iterator[None]:
     for _ in range(3):
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            # A POSIX record lock, not flock: it belongs to this process alone, so the
+            # DataLoader workers it forks do not keep it after this process is killed.
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except (BlockingIOError, PermissionError):
             holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             raise RuntimeError(f"{argument}={path!r} is in use by another run that is still "
@@ -140,7 +142,7 @@ def exclusive(path: str, argument: str) -> Iterator[None]:
                                f"overwrite each other's work: give each run its own path (one "
                                f"per fold in a k-fold loop), or wait for that run to end") from None
         except OSError:
-            os.close(fd)  # no flock here (some network file systems): nothing to hold
+            os.close(fd)  # no locks here (some network file systems): nothing to hold
             yield
             return
         try:  # the holder before us may have removed the file between our open and lock
