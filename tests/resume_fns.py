@@ -152,6 +152,23 @@ def fold(path, k, folds=2, loss=None, **kwargs):
     return {"state": model.state_dict(), "history": comparable(hist)}
 
 
+class Hold(Loss):
+    """cross_entropy that, at its call `at`, writes `marker` and waits (at most 120 s) until
+    `release` exists: a run held mid-way, for as long as a test needs it live."""
+
+    def __init__(self, at, marker, release):
+        super().__init__()
+        self.at, self.marker, self.release = at, marker, release
+
+    def __call__(self, out, y):
+        if self.calls + 1 == self.at:
+            open(self.marker, "w").close()
+            deadline = time.monotonic() + 120
+            while not os.path.exists(self.release) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        return super().__call__(out, y)
+
+
 class FullDisk(Loss):
     """cross_entropy that, from its second call on (torch has written what it writes on a
     first step), lets no file over `limit` bytes be written: the kernel's file size limit

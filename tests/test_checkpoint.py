@@ -343,22 +343,25 @@ def test_a_half_done_checkpoint_is_not_taken_over_by_a_run_on_other_data(tmp_pat
 
 def test_two_live_runs_on_one_checkpoint_path_the_second_is_refused(tmp_path):
     import multiprocessing
-    path, marker = str(tmp_path / "run.pt"), str(tmp_path / "marker")
-    # The first run, in a process of its own, slows down from its 3rd step and says so.
+    path, marker, release = (str(tmp_path / name) for name in ("run.pt", "marker", "release"))
+    # The first run, in a process of its own, holds at its 3rd step until released.
     first = multiprocessing.get_context("fork").Process(
-        target=run, args=(rf.fold, 1, path, 0, 2, rf.Loss(mark_at=3, marker=marker)))
+        target=run, args=(rf.fold, 1, path, 0, 2, rf.Hold(3, marker, release)))
     first.start()
     deadline = time.monotonic() + 120
     while not os.path.exists(marker) and time.monotonic() < deadline and first.is_alive():
         time.sleep(0.05)
     assert os.path.exists(marker)
-    with pytest.raises(RuntimeError, match=r"checkpoint='.*run.pt' is in use by another run that "
-                                           r"is still going \(process \d+\).*its own path"):
-        run(rf.fold, 1, path, 0)
-    first.join(120)
+    try:
+        with pytest.raises(RuntimeError, match=r"checkpoint='.*run.pt' is in use by another run "
+                                               r"that is still going \(process \d+\).*its own path"):
+            run(rf.fold, 1, path, 0)
+    finally:
+        open(release, "w").close()
+        first.join(120)
     assert first.exitcode == 0  # the first run was not disturbed
     assert saved_place(path) == (32, 0, True)
-    assert sorted(os.listdir(tmp_path)) == ["marker", "run.pt"]
+    assert sorted(os.listdir(tmp_path)) == ["marker", "release", "run.pt"]
 
 
 def test_a_save_state_file_given_to_train_one_cycle_is_refused_naming_load_state(tmp_path):
