@@ -44,14 +44,13 @@ class Loading:
 
     def __getitems__(self, keys: list) -> "Loaded":
         samples = self._samples(keys)
-        indices = [key[1] % self.real_len for key in keys]
         if self.transform is None:
-            return Loaded(samples, indices)
+            return Loaded(samples, keys, self.real_len)
         check = getattr(self.transform, "check_samples", None)  # optional in the protocol
         if check is not None:
             check(samples)
         # each sample's key for the device transform, made for the whole batch at once
-        return Loaded(samples, indices,
+        return Loaded(samples, keys, self.real_len,
                       self.transform.keys(self.seed, keys[0][0], [key[2] for key in keys]))
 
     def _samples(self, keys: list) -> list:
@@ -65,8 +64,11 @@ class Loading:
         return self._samples([key if isinstance(key, tuple) else (0, key, key)])[0]
 
     def _load(self, i: int):
-        try:
-            return self._read(i)
+        try:  # _read, inline: it runs once per sample
+            sample = self.dataset[i]
+            if (sample[0] if self.padded else sample) is None:  # padded: (sample, valid)
+                raise _returned_none(i % self.real_len)
+            return sample
         except Exception as e:
             if not self.skip:
                 _note(e, f"(loading dataset index {i % self.real_len})")
@@ -85,11 +87,14 @@ class Loading:
 
     def _read(self, i: int):
         sample = self.dataset[i]
-        if (sample[0] if self.padded else sample) is None:  # padded: (sample, valid)
-            raise TypeError(f"dataset[{i % self.real_len}] returned None: __getitem__ must return "
-                            f"the sample (is its `return` missing, or a path that returns "
-                            f"nothing?)")
+        if (sample[0] if self.padded else sample) is None:
+            raise _returned_none(i % self.real_len)
         return sample
+
+
+def _returned_none(index: int) -> TypeError:
+    return TypeError(f"dataset[{index}] returned None: __getitem__ must return the sample (is "
+                     f"its `return` missing, or a path that returns nothing?)")
 
 
 def _note(e: BaseException, text: str) -> None:
@@ -110,11 +115,16 @@ class WithSkips:
 
 
 class Loaded:
-    """A batch's samples, their dataset indices and their augmentation keys (None without
-    augmentation), from Loading to Collate."""
+    """A batch's samples, their places (for the dataset indices an error names) and their
+    augmentation keys (None without augmentation), from Loading to Collate."""
 
-    def __init__(self, samples: list, indices: list, keys=None):
-        self.samples, self.indices, self.keys = samples, indices, keys
+    def __init__(self, samples: list, places: list, real_len: int, keys=None):
+        self.samples, self.places, self.real_len, self.keys = samples, places, real_len, keys
+
+    @property
+    def indices(self) -> list:
+        """The samples' dataset indices (made only when an error names them)."""
+        return [place[1] % self.real_len for place in self.places]
 
 
 class Collate:
@@ -128,15 +138,17 @@ class Collate:
 
     def __call__(self, samples):
         from torch.utils.data import default_collate
-        keys, indices = None, None
+        keys, loaded = None, None
         if isinstance(samples, Loaded):
-            samples, indices, keys = samples.samples, samples.indices, samples.keys
+            loaded, samples, keys = samples, samples.samples, samples.keys
         skipped = [s.skipped for s in samples if isinstance(s, _Replaced)]
-        samples = [s.sample if isinstance(s, _Replaced) else s for s in samples]
+        if skipped:
+            samples = [s.sample if isinstance(s, _Replaced) else s for s in samples]
         try:
             batch = (self.collate_fn or default_collate)(samples)
         except Exception as e:
-            differ = unlike_samples(samples, indices or list(range(len(samples))))
+            indices = loaded.indices if loaded is not None else list(range(len(samples)))
+            differ = unlike_samples(samples, indices)
             if differ is None:
                 raise
             raise TypeError(differ) from e
