@@ -269,6 +269,8 @@ LOADING_SCRIPT = """
                 return {"image": torch.zeros(3, 8), "label": 0}
             if i >= 20 and self.kind == "short":  # fewer samples than __len__ says
                 raise IndexError(f"list index {i} out of range")
+            if self.kind == "dicts":
+                return {"image": torch.zeros(3, 8, 8), "label": 1}
             return torch.zeros(3, 8), 1
 
     def attempt(fn):
@@ -289,6 +291,12 @@ LOADING_SCRIPT = """
             out[f"skip{workers}"] = attempt(lambda: sum(1 for _ in skip))
             out[f"skipped{workers}"] = [i for i, _ in skip.skipped]
         out["empty"] = attempt(lambda: tu.make_loader(Odd("none", n=0), 4))
+        # a collate_fn that returns nothing, and dict samples to augment
+        nothing = tu.make_loader(Odd("fine"), 4, num_workers=0, collate_fn=lambda samples: None)
+        out["collate_none"] = attempt(lambda: sum(1 for _ in nothing))
+        dicts = tu.make_loader(Odd("dicts"), 4, num_workers=0,
+                               augment=tu.aug_transforms(mixup=0.4, num_classes=3))
+        out["dict_augment"] = attempt(lambda: sum(1 for _ in dicts))
         return out
 
     if __name__ == "__main__":
@@ -326,6 +334,12 @@ def test_bad_samples_name_their_dataset_index_and_the_fix(run_script):
         # skip_errors takes a None for a failed sample: replaced, and listed.
         assert r[f"skip{workers}"] == {"value": 8} and r[f"skipped{workers}"] == [13]
     assert r["empty"]["message"].startswith("make_loader: the dataset is empty (0 samples): check")
+    # Before: "the thread that loads batches died", and "a sample's label is None".
+    assert r["collate_none"] == {"error": "TypeError", "message": "make_loader: the collate_fn "
+                                 "returned None for a batch: return the collated batch from it"}
+    assert r["dict_augment"]["error"] == "TypeError"
+    assert "the dataset returned a dict: return (image, label) from __getitem__" in \
+        r["dict_augment"]["message"]
 
 
 # -- aug_transforms' arguments, by type -------------------------------------------------------
@@ -404,6 +418,11 @@ def test_optimizer_step_closures_that_would_step_nothing_are_refused(world):
     (dict(num_workers=-1), ValueError, "make_loader: num_workers must be an int >= 0 or None, got -1"),
     (dict(seed=None), TypeError, "make_loader: seed must be an int (it seeds each epoch's order), got None"),
     (dict(seed=1.5), TypeError, "make_loader: seed must be an int (it seeds each epoch's order), got 1.5"),
+    # A bare AssertionError at the first epoch before; a raw random_() error at its start.
+    (dict(num_workers=2, prefetch_factor=0), ValueError,
+     "make_loader: prefetch_factor must be a positive int or None, got 0"),
+    (dict(generator=0), TypeError,
+     "make_loader(generator=...) takes a torch.Generator (or None), got int: for a seed, pass seed="),
 ])
 def test_make_loader_refuses_worker_counts_and_seeds_of_the_wrong_kind(kwargs, error, message):
     # Refused as the loader is made (its spec), before any DataLoader: no XLA here.

@@ -69,8 +69,13 @@ class Augment:
         and range of the first image, and every label where mixing makes probabilities of
         them. What would come out as garbage (all-white images, rows that do not sum to 1,
         channels taken for rows) is refused with the fix."""
+        import numpy as np
         import torch
         first = samples[0] if samples else None
+        if first is not None and not isinstance(first, (torch.Tensor, np.ndarray, tuple, list)):
+            raise TypeError(f"make_loader(augment=...) augments samples that are an image or "
+                            f"(image, label, ...), and the dataset returned a "
+                            f"{type(first).__name__}: return (image, label) from __getitem__")
         image = first[0] if isinstance(first, (tuple, list)) and first else first
         if isinstance(image, torch.Tensor) and image.dim() == 3:
             if image.shape[0] not in (1, 3, 4) and image.shape[-1] in (1, 3, 4):

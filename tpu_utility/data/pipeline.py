@@ -102,6 +102,9 @@ class Guard:
                 if isinstance(batch, WithSkips):
                     self.skipped += batch.skipped
                     batch = batch.batch
+                if batch is None:  # else XLA's feed thread dies on it, naming nothing
+                    raise TypeError("make_loader: the collate_fn returned None for a batch: "
+                                    "return the collated batch from it")
                 yield batch
         except Exception as e:  # not GeneratorExit: the consumer stopping early is no error
             self.error = e
