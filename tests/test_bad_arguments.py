@@ -170,6 +170,8 @@ class Heads(nn.Module):
         f = torch.relu(self.body(x))
         if self.kind == "dict":
             return {"logits": self.head(f), "aux": {"feat": f, "ids": x[:, 0].long()}}
+        if self.kind == "per_sample":  # a list with a tensor for each sample
+            return list(self.head(f))
         return self.head(f), f
 
 
@@ -202,6 +204,8 @@ def evaluate_heads():
     out["gather"] = as_lists(tu.to_cpu(tu.gather({k: torch.cat(v) for k, v in mine.items()}, loader)))
     out["unjoined"] = attempt(lambda: tu.gather(mine["x"], loader))
     out["scalar"] = attempt(lambda: tu.gather({"loss": torch.zeros((), device=tu.get_device())}, loader))
+    out["per_sample"] = attempt(lambda: tu.predict(Heads("per_sample").to(tu.get_device()),
+                                                   heads_data(), batch_size=16))
     out["batch_size"] = attempt(lambda: tu.predict(Heads("dict").to(tu.get_device()), heads_data(),
                                                    batch_size=0))
     return out
@@ -239,6 +243,8 @@ def test_gather_and_predict_keep_dicts_and_tuples_of_outputs(run_script):
         assert "pass torch.cat(outputs), the batches' outputs joined" in case["unjoined"], name
         assert case["scalar"].startswith("TypeError: gather: gathers tensors with one row per sample")
         assert "got a 0-dim tensor (output['loss'])" in case["scalar"], name
+        assert case["per_sample"].startswith("TypeError: predict: got a list of "), name
+        assert "return tensors whose dim 0 is the batch's samples" in case["per_sample"], name
         assert case["batch_size"] == "ValueError: predict: batch_size must be a positive int or " \
                                      "None (per core), got 0", name
 
@@ -365,6 +371,14 @@ def test_aug_transforms_refuses_wrong_types_in_one_sentence(kwargs, message):
     with pytest.raises(ValueError) as info:
         tu.aug_transforms(**kwargs)
     assert message in str(info.value)
+
+
+def test_augment_given_the_function_itself_says_call_it():
+    ds = torch.utils.data.TensorDataset(torch.zeros(8, 3, 4, 4), torch.zeros(8))
+    with pytest.raises(TypeError) as info:
+        tu.make_loader(ds, 4, augment=tu.aug_transforms)
+    assert str(info.value) == "augment=tu.aug_transforms passes the function: call it, " \
+                              "augment=tu.aug_transforms(...)"
 
 
 def test_aug_transforms_takes_numpy_numbers():

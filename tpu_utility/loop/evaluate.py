@@ -189,9 +189,10 @@ def gather(tensor, data, *, who: str = "gather"):
     rows = [leaf.shape[0] * slices for leaf in leaves]
     if structure["t"] != "leaf" and len(rows) > 1 and max(rows) < n <= sum(rows) and all(
             c["t"] == "leaf" for c in structure["c"]):  # each batch's output, not joined
+        fix = ("return tensors whose dim 0 is the batch's samples" if who == "predict"
+               else "pass torch.cat(outputs), the batches' outputs joined")
         raise TypeError(f"{who}: got a {structure['t']} of {len(rows)} tensors, none with a row "
-                        f"for each of the {n} samples: pass torch.cat(outputs), the batches' "
-                        f"outputs joined")
+                        f"for each of the {n} samples: {fix}")
     return unflatten(structure, [_gathered(leaf, n, who) for leaf in leaves])
 
 
