@@ -75,3 +75,42 @@ def check_optimizer_device(params: Iterable[Any], device: Any, who: str = "", *,
             f"{device}, so stepping it would train nothing (on XLA, model.to(device) makes new "
             f"parameters and an optimizer made before the move keeps the old ones): create the "
             f"optimizer after model.to(device)")
+
+
+def check_parameters(params: Any, who: str) -> list:
+    """`params` as a list of tensors, or one sentence saying what was passed instead and
+    what to pass: the same check on one replica, several, and under SPMD, before any
+    collective (a module or a used-up generator passed at one replica did nothing, and at
+    two failed inside the collective).
+
+    Example:
+        >>> import torch
+        >>> check_parameters(torch.nn.Linear(2, 2), "average_gradients(params)")
+        Traceback (most recent call last):
+        ...
+        TypeError: average_gradients(params): pass model.parameters(), got an nn.Module (Linear)
+    """
+    import torch
+    fix = "pass model.parameters()"
+    if isinstance(params, torch.nn.Module):
+        raise TypeError(f"{who}: {fix}, got an nn.Module ({type(params).__name__})")
+    if isinstance(params, torch.Tensor):
+        raise TypeError(f"{who}: {fix} or a list of parameters ([w]), got a single tensor")
+    if isinstance(params, (dict, str, bytes)) or not isinstance(params, Iterable):
+        why = " (a state_dict's tensors take no gradients)" if isinstance(params, dict) else ""
+        raise TypeError(f"{who}: {fix} or a list of parameters{why}, got {type(params).__name__}")
+    params = list(params)
+    if not params:
+        raise ValueError(f"{who}: got no parameters (a generator such as model.parameters() is "
+                         f"used up by its first pass, e.g. by the optimizer): call "
+                         f"model.parameters() again for each call")
+    for i, p in enumerate(params):
+        if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str):
+            raise TypeError(f"{who}: {fix}, got (name, parameter) pairs (named_parameters())")
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{who}: {fix} or a list of tensors, got a {type(p).__name__} at "
+                            f"position {i}")
+        if not (isinstance(p, torch.nn.Parameter) or p.requires_grad or p.grad is not None):
+            raise TypeError(f"{who}: {fix}: the tensor at position {i} takes no gradient (a "
+                            f"plain tensor, not a parameter, with requires_grad=False)")
+    return params

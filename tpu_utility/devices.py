@@ -67,6 +67,13 @@ def optimizer_step(opt, closure: Optional[Callable] = None, **step_kwargs: Any) 
     steps with torch's foreach kernels where `foreach` was left unset (bit-equal, less
     host time per step; an explicit `foreach=False` is kept).
 
+    Args:
+        opt: the torch optimizer.
+        closure: None, or a function that zeroes the gradients, computes the loss, calls
+            `loss.backward()` and returns the loss (LBFGS needs it); one that leaves no
+            gradient is refused, as nothing would be stepped.
+        step_kwargs: passed on to `opt.step`.
+
     Example:
         >>> import torch, tpu_utility as tu
         >>> w = torch.nn.Parameter(torch.ones(2)); opt = torch.optim.SGD([w], lr=0.1)
@@ -90,6 +97,14 @@ def average_gradients(params: Iterable["torch.Tensor"]) -> None:
     tensor comes by, every replica takes the master's value of it, and then the
     replicas' random streams move apart, as before an optimizer's first step. With one
     replica (one device, or SPMD, whose gradients are already global) it does nothing.
+    Its argument is checked alike at every world size, before any collective: a module,
+    a single tensor, a used-up generator or tensors that take no gradient are refused.
+    With several replicas on the CPU (gloo), a parameter with a gradient on some
+    replicas and not on others is named in the error, rather than averaged into another.
+
+    Args:
+        params: the parameters whose `.grad` to average: `model.parameters()` (a fresh
+            generator each call) or a list of tensors.
 
     Example:
         >>> import torch, tpu_utility as tu

@@ -17,7 +17,7 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, Optional
 
 from . import rng
-from .checks import check_optimizer_device
+from .checks import check_optimizer_device, check_parameters
 from .engines import Engine, outside_run
 from .host_bound import Span
 from .preemption import StopBoard
@@ -146,6 +146,13 @@ class Replica:
         branched apart would call the closure, and so the collectives, a different number
         of times, and wait on each other for ever.
         """
+        if not callable(getattr(opt, "step", None)) or not hasattr(opt, "param_groups"):
+            raise TypeError(f"optimizer_step(opt): pass the torch optimizer, got "
+                            f"{type(opt).__name__}")
+        if closure is not None and not callable(closure):
+            raise TypeError(f"optimizer_step(opt, closure): the closure must be a function that "
+                            f"computes the loss and calls backward, got {type(closure).__name__}"
+                            f" (for a plain step, call optimizer_step(opt))")
         if closure is None:
             self.sync_gradients(opt)
             out = opt.step(**step_kwargs)
@@ -192,18 +199,18 @@ class Replica:
         self._check_device(opt)
         if self.engine.replicas > 1:
             self._first_step(opt)
-            self.engine.average_in_place(_grads(_params(opt)))
+            self._average(_params(opt), "optimizer_step")
 
     def average_gradients(self, params: Iterable["torch.Tensor"]) -> None:
         """`.grad` of `params` averaged over replicas, for an update written by hand; the
         first time a tensor comes by, every replica takes the master's value of it."""
-        params = list(params)
+        params = check_parameters(params, "average_gradients(params)")
         device = self.engine.device()
         if device.type != "cpu":  # checked each call: `params` is new each time
             check_optimizer_device(params, device, gradless_only=True)
         if self.engine.replicas > 1:
             self._make_identical(params)
-            self.engine.average_in_place(_grads(params))
+            self._average(params, "average_gradients")
 
     def sync_module(self, model) -> None:
         """Make `model`'s parameters and buffers the master's, on every replica (and then
@@ -220,6 +227,44 @@ class Replica:
         kernels), or it stepped none through tu (so it cannot tell)."""
         opts = list(self._checked_opts)
         return not opts or any(not g.get("foreach") for o in opts for g in o.param_groups)
+
+    def _average(self, params: list, who: str) -> None:
+        """The gradients of `params` averaged over replicas, in place.
+
+        Every replica must reduce the same gradients: a parameter with a gradient on one
+        replica and none on another (a branch taken on one replica only, `p.grad = None`)
+        made gloo abort the process ("data size doesn't match"), or, where the sizes
+        happened to agree, averaged one parameter's gradient into another's. Where the
+        gradients are in host memory (gloo), each parameter that takes gradients is reduced
+        (zeros where this replica has none) with a 0/1 flag of whether it had one, in the
+        same collective as the gradients, so the check costs no extra exchange; the flags
+        are then read for free. Elsewhere (NCCL, XLA) reading them would wait for the
+        device each step, so there the gradients that exist are reduced as before.
+        """
+        engine = self.engine
+        if engine.device().type != "cpu":
+            engine.average_in_place(_grads(params))
+            return
+        import torch
+        taking = [p for p in params if p.grad is not None or p.requires_grad]
+        if not taking:
+            return
+        grads = [p.grad for p in taking]
+        had = [g is not None for g in grads]
+        if all(had):  # the common case; the flags ride in the last gradient's bucket
+            flags = torch.ones(len(grads), dtype=grads[-1].dtype)
+        else:
+            grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, taking)]
+            flags = torch.tensor(had, dtype=grads[-1].dtype)
+        engine.average_in_place(grads + [flags])
+        values = flags.tolist()
+        if all(f == 1 for f in values):  # 1.0 exactly: every replica's flag was 1
+            return
+        # Else 0 where no replica had one (the zeros are dropped: it keeps no gradient, as
+        # before), and between 0 and 1 where some had one and others not.
+        mixed = [i for i, f in enumerate(values) if 0 < f < 1]
+        if mixed:
+            raise RuntimeError(_mixed_gradients(who, params, taking, mixed, had, engine.replicas))
 
     def _check_device(self, opt) -> None:
         """Once per optimizer, after a backward and before its first step: refuse one
@@ -254,6 +299,13 @@ class Replica:
         The first call's backward is what `_check_device` needs."""
         def cut():
             loss = closure()
+            # Without a backward the step changes nothing (LBFGS returns at once), silently.
+            if all(p.grad is None for p in _params(opt)):
+                raise RuntimeError("optimizer_step(opt, closure): the closure left no gradients: "
+                                   "call loss.backward() inside it, after opt.zero_grad()")
+            if loss is None and "LBFGS" in type(opt).__name__:
+                raise TypeError("optimizer_step(opt, closure): LBFGS reads the loss the closure "
+                                "returns, and it returned None: return the loss")
             self._check_device(opt)
             self.engine.sync()
             return loss
@@ -266,7 +318,7 @@ class Replica:
 
         def averaged():
             loss = closure()
-            engine.average_in_place(_grads(_params(opt)))
+            self._average(_params(opt), "optimizer_step")
             if loss is None:
                 return None
             value = (loss.detach() if torch.is_tensor(loss)
@@ -301,6 +353,20 @@ def _params(opt) -> list:
 
 def _grads(params) -> list:
     return [p.grad for p in params if p.grad is not None]
+
+
+def _mixed_gradients(who: str, params: list, taking: list, mixed: list, had: list,
+                     replicas: int) -> str:
+    """The sentence for parameters with a gradient on some replicas and not on others."""
+    place = {id(p): i for i, p in enumerate(params)}
+    named = ", ".join(
+        f"parameter {place[id(taking[i])]} (shape {list(taking[i].shape)}, "
+        f"{'a gradient' if had[i] else 'no gradient'} on this replica)" for i in mixed[:5])
+    more = f" and {len(mixed) - 5} more" if len(mixed) > 5 else ""
+    return (f"{who}: {named}{more} got a gradient on some of the {replicas} replicas and not on "
+            f"the others, so their gradients cannot be averaged: use every parameter in the "
+            f"forward pass of every replica, or give an unused one zeros "
+            f"(p.grad = torch.zeros_like(p)) before averaging")
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ or `eval_batch` on every batch, on the device, inside the step's graph.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple, Union
 
@@ -68,8 +69,13 @@ class Augment:
         and range of the first image, and every label where mixing makes probabilities of
         them. What would come out as garbage (all-white images, rows that do not sum to 1,
         channels taken for rows) is refused with the fix."""
+        import numpy as np
         import torch
         first = samples[0] if samples else None
+        if first is not None and not isinstance(first, (torch.Tensor, np.ndarray, tuple, list)):
+            raise TypeError(f"make_loader(augment=...) augments samples that are an image or "
+                            f"(image, label, ...), and the dataset returned a "
+                            f"{type(first).__name__}: return (image, label) from __getitem__")
         image = first[0] if isinstance(first, (tuple, list)) and first else first
         if isinstance(image, torch.Tensor) and image.dim() == 3:
             if image.shape[0] not in (1, 3, 4) and image.shape[-1] in (1, 3, 4):
@@ -314,18 +320,20 @@ def aug_transforms(*, size: Optional[Union[int, Tuple[int, int]]] = None, min_sc
         _check_range(name, value, 0, math.inf, "not negative")
         if not math.isfinite(value):  # an infinite angle, shift or Beta parameter: NaN pixels
             raise ValueError(f"{name} must be finite, got {value!r}")
+    if max_translate > 1:  # every pixel from outside the image: padding only
+        raise ValueError(f"max_translate must be at most 1 (a shift by the whole side), got "
+                         f"{max_translate!r}")
     for name, value in (("brightness", brightness), ("contrast", contrast), ("saturation", saturation)):
         _check_range(name, value, 0, 1, "the largest change of the factor from 1")
     _check_pair("ratio", ratio, low=0)
     _check_pair("cutout_ratio", cutout_ratio, low=0)
     _check_pair("cutout_scale", cutout_scale, low=0, high=1)
-    _check_pair("(min_zoom, max_zoom)", (min_zoom, max_zoom), low=0)
-    if not math.isfinite(max_zoom):
+    if _is_number(max_zoom) and not math.isfinite(max_zoom):
         raise ValueError(f"max_zoom must be finite, got {max_zoom!r}")
+    _check_pair("(min_zoom, max_zoom)", (min_zoom, max_zoom), low=0)
     if pad_mode not in _PAD_MODES:
         raise ValueError(f"pad_mode must be one of {_PAD_MODES}, got {pad_mode!r}")
-    if (mixup or cutmix) and (isinstance(num_classes, bool) or not isinstance(num_classes, int)
-                              or num_classes < 2):
+    if (mixup or cutmix) and (not _is_int(num_classes) or num_classes < 2):
         raise ValueError(f"mixup and cutmix turn labels into class probabilities: pass "
                          f"num_classes= (an int >= 2), got num_classes={num_classes!r}")
     return Augment(size, float(min_scale), _floats(ratio), _p(flip), _p(flip_vert),
@@ -333,7 +341,7 @@ def aug_transforms(*, size: Optional[Union[int, Tuple[int, int]]] = None, min_sc
                    float(p_affine), float(brightness), float(contrast), float(saturation),
                    float(p_lighting), float(cutout), _floats(cutout_scale), _floats(cutout_ratio),
                    float(mixup), float(cutmix), float(mix_p),
-                   num_classes if (mixup or cutmix) else None, _stats(normalize), pad_mode)
+                   int(num_classes) if (mixup or cutmix) else None, _stats(normalize), pad_mode)
 
 
 def _p(value) -> float:
@@ -344,29 +352,44 @@ def _floats(pair) -> Tuple[float, float]:
     return float(pair[0]), float(pair[1])
 
 
+def _is_int(value) -> bool:
+    """An int, numpy's included; not a bool, a float or a string."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    """An int or a float, numpy's included; not a bool, a string or a tensor."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _size(size) -> Optional[Tuple[int, int]]:
     if size is None:
         return None
-    pair = (size, size) if isinstance(size, int) and not isinstance(size, bool) else tuple(size)
-    if len(pair) != 2 or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in pair):
-        raise ValueError(f"size must be a positive int or (height, width), got {size!r}")
-    return pair
+    pair = (size,) * 2 if _is_int(size) else tuple(size) if isinstance(size, (tuple, list)) else ()
+    if len(pair) != 2 or not all(_is_int(s) and s >= 1 for s in pair):
+        raise ValueError(f"size must be a positive int or (height, width), got {size!r}"
+                         + (" (a float: pass an int)" if isinstance(size, float) else ""))
+    return int(pair[0]), int(pair[1])
 
 
 def _check_range(name: str, value, low: float, high: float, what: str, low_open: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok or not (low < value <= high if low_open else low <= value <= high):
-        lo = "(" if low_open else "["
+    lo = "(" if low_open else "["
+    if not _is_number(value):
+        raise ValueError(f"{name} must be a number in {lo}{low:g}, {high:g}] ({what}), got "
+                         f"{value!r}")
+    if not (low < value <= high if low_open else low <= value <= high):
         raise ValueError(f"{name} must be in {lo}{low:g}, {high:g}] ({what}), got {value!r}")
 
 
 def _check_pair(name: str, pair, low: float, high: float = math.inf) -> None:
-    try:
-        a, b = (float(v) for v in pair)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a (low, high) pair of numbers, got {pair!r}") from None
+    values = tuple(pair) if isinstance(pair, (tuple, list)) else ()
+    if len(values) != 2 or not all(map(_is_number, values)):
+        raise ValueError(f"{name} must be a (low, high) pair of numbers, got {pair!r}")
+    a, b = (float(v) for v in values)
     if not (low < a <= b <= high if low == 0 else low <= a <= b <= high):
         raise ValueError(f"{name} must be (low, high) with {low:g} < low <= high <= {high:g}, got {pair!r}")
+    if not math.isfinite(b):  # an infinite ratio or zoom: NaN pixels
+        raise ValueError(f"{name} must be finite, got {pair!r}")
 
 
 def _stats(normalize):

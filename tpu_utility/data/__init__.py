@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from ..checks import check_int
 from .dataloader import Draws, dataloader_draws, sampled
 from .loader import DeviceLoader
 from .padded import PaddedDataset
@@ -120,6 +121,11 @@ def make_loader(data=None, batch_size: Optional[int] = None, shuffle: Optional[b
     if sampler is not None and shuffle:
         raise ValueError("make_loader(sampler=..., shuffle=True): the sampler decides the order "
                          "(DataLoader refuses the two together too), so drop shuffle=True")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"make_loader(generator=...) takes a torch.Generator (or None), got "
+                        f"{type(generator).__name__}: for a seed, pass seed=")
+    # 0: DataLoader's bare AssertionError (no message) at the first epoch
+    check_int(prefetch_factor, "prefetch_factor", who="make_loader", none_ok=True)
     if isinstance(data, torch.utils.data.IterableDataset):
         raise TypeError("make_loader needs a map-style Dataset (with __len__ and __getitem__) "
                         "so it can shard it over replicas; convert the IterableDataset to a list "

@@ -33,12 +33,13 @@ def build(spec: "LoaderSpec", engine) -> Any:
     dataset = spec.dataset
     rows_only = draws_no_randomness(dataset)  # no seeding, no workers by default
     if len(dataset) == 0:
-        raise ValueError("make_loader: the dataset is empty (0 samples)")
+        raise ValueError("make_loader: the dataset is empty (0 samples): check what built it "
+                         "(a folder path, a filter, a split)")
     if spec.pad:  # a whole number of full global batches: static shapes, no padding by the sampler
         dataset = PaddedDataset(dataset, spec.batch_size * engine.world_size)
     dataset = Loading(dataset, len(spec.dataset), spec.skip_errors, spec.seed,
                        seeds=not rows_only,
-                       transform=spec.augment if spec.keyed else None)
+                       transform=spec.augment if spec.keyed else None, padded=spec.pad)
     # One sampler for every engine, so all see the same permutation (seed + epoch).
     sampler = _Sampler(DistributedSampler(dataset, num_replicas=replicas, rank=rank,
                                           shuffle=spec.shuffle, seed=spec.seed,
@@ -60,8 +61,9 @@ def build(spec: "LoaderSpec", engine) -> Any:
         kwargs.update(options)
     if spec.pin_memory and pins():  # elsewhere DataLoader pins nothing, and warns every epoch
         kwargs["pin_memory"] = True
-    if spec.skip_errors or spec.keyed:
-        kwargs["collate_fn"] = Collate(kwargs.get("collate_fn"))
+    # Always: it unpacks what Loading hands over (the samples with their indices, which a
+    # batch that fails to collate is named by).
+    kwargs["collate_fn"] = Collate(kwargs.get("collate_fn"))
     if workers > 0:
         kwargs["worker_init_fn"] = _WorkerInit(kwargs.get("worker_init_fn"))
     # Its own generator: starting an epoch draws a seed, and that must not come from
@@ -100,6 +102,9 @@ class Guard:
                 if isinstance(batch, WithSkips):
                     self.skipped += batch.skipped
                     batch = batch.batch
+                if batch is None:  # else XLA's feed thread dies on it, naming nothing
+                    raise TypeError("make_loader: the collate_fn returned None for a batch: "
+                                    "return the collated batch from it")
                 yield batch
         except Exception as e:  # not GeneratorExit: the consumer stopping early is no error
             self.error = e

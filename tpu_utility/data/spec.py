@@ -72,6 +72,10 @@ class LoaderSpec:
     def __post_init__(self) -> None:
         # Here rather than in make_loader alone: padded() and replace() make specs too.
         check_int(self.batch_size, "batch_size", why=" (per core)")
+        check_int(self.num_workers, "num_workers", low=0, who="make_loader", none_ok=True)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"make_loader: seed must be an int (it seeds each epoch's order), "
+                            f"got {self.seed!r}")
         if self.pad and self.drop_last:
             raise ValueError("pad=True keeps every sample: use it with train=False or "
                              "drop_last=False")

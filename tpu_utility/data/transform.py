@@ -60,6 +60,9 @@ def check_transform(transform: Any) -> None:
         transform: the loader's `augment`, not None.
     """
     missing = [m for m in METHODS if not callable(getattr(transform, m, None))]
+    if missing and callable(transform) and getattr(transform, "__name__", "") == "aug_transforms":
+        raise TypeError("augment=tu.aug_transforms passes the function: call it, "
+                        "augment=tu.aug_transforms(...)")
     if missing:
         raise TypeError(f"augment must be what tu.aug_transforms(...) returns, got "
                         f"{type(transform).__name__} (a DeviceTransform has the methods "

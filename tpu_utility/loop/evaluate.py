@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Callable, List, Optional
 
+from .._tree import flatten, leaf_names, map_tensors, unflatten
 from ..amp import autocast_context
+from ..checks import check_int
 from ..data import DeviceLoader
 from ..devices import get_device, sync, to_cpu
 from ..replica import current
@@ -69,11 +71,21 @@ def check_count(arrived: float, expected: int, name: str) -> None:
 
 def predict(model, data, *, batch_size: Optional[int] = None, batch_fn: Optional[Callable] = None,
             precision: str = "fp32"):
-    """The model's outputs for a whole dataset, in dataset order, on CPU.
+    """The model's outputs for a whole dataset, in dataset order, on CPU: a tensor, or
+    what the model returns (a dict, list or tuple of tensors) with each tensor's rows
+    joined.
 
     `data` is a Dataset, DataLoader or `make_loader` loader; `batch_size` is per core.
     Every sample appears once, at any number of cores: evaluation batches are padded
     to full size and the repeats dropped. Targets, if the dataset has them, are ignored.
+
+    Args:
+        model: on `tu.get_device()`; it runs in eval mode, and is given back in the mode
+            it came in (train mode, between epochs, stays train mode).
+        data: a Dataset, DataLoader or `make_loader` loader.
+        batch_size: per core (None: the loader's, or make_loader's default for a Dataset).
+        batch_fn: maps a batch to (inputs, target), for batches of another form.
+        precision: "fp32", or "bf16" for autocast.
 
     Example:
         >>> import torch, tpu_utility as tu
@@ -83,18 +95,49 @@ def predict(model, data, *, batch_size: Optional[int] = None, batch_fn: Optional
         [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]
     """
     import torch
+    check_int(batch_size, "batch_size", who="predict", why=" (per core)", none_ok=True)
     loader = as_loader(data, train=False, name="data", pad=True, batch_size=batch_size)
     n = len(loader.dataset)
     check_model_device(model, get_device(), "predict")
     autocast = autocast_context(precision, get_device())
+    training = model.training  # given back: a loop that predicts between epochs trains on
     model.eval()
     outputs = []
-    with torch.no_grad():
-        for batch, _ in loader:
-            inputs, _target = split_batch(batch, batch_fn, need_target=False)
-            with autocast:
-                outputs.append(forward(model, inputs).detach())
-    return to_cpu(gather(torch.cat(outputs), n, who="predict"))
+    try:
+        with torch.no_grad():
+            for batch, _ in loader:
+                inputs, _target = split_batch(batch, batch_fn, need_target=False)
+                with autocast:
+                    outputs.append(map_tensors(forward(model, inputs), torch.Tensor.detach))
+    finally:
+        model.train(training)
+    return to_cpu(gather(_concatenated(outputs), n, who="predict"))
+
+
+def _concatenated(outputs: list):
+    """The batches' outputs joined along dim 0: a tensor, or a dict, list or tuple (nested)
+    of tensors, each joined with its own kind in every batch."""
+    import torch
+    if isinstance(outputs[0], torch.Tensor):
+        return torch.cat(outputs)
+    structure, first = flatten(outputs[0])
+    columns = [[leaf] for leaf in first]
+    for out in outputs[1:]:
+        shape, leaves = flatten(out)
+        if shape != structure:  # a batch whose output has other keys or lengths
+            raise ValueError(f"predict: the model returned {_form(outputs[0])} for one batch and "
+                             f"{_form(out)} for another: return the same structure for every batch")
+        for column, leaf in zip(columns, leaves):
+            column.append(leaf)
+    # Anything but rows (a 0-dim loss, None) is kept as it is, for gather to refuse.
+    return unflatten(structure, [torch.cat(c) if isinstance(c[0], torch.Tensor) and c[0].dim()
+                                 else c[0] for c in columns])
+
+
+def _form(output) -> str:
+    return type(output).__name__ + (f" with keys {list(output)}" if isinstance(output, dict)
+                                    else f" of {len(output)}" if isinstance(output, (list, tuple))
+                                    else "")
 
 
 def gather(tensor, data, *, who: str = "gather"):
@@ -104,7 +147,15 @@ def gather(tensor, data, *, who: str = "gather"):
     For an evaluation loop of your own: iterate a `make_loader(ds, bs, train=False)`
     loader, `torch.cat` what each batch gives, and pass it with the loader (or the
     dataset's length). Under SPMD the batches hold every sample already; with one replica
-    per core each holds every W-th sample, and `gather` puts them back in order.
+    per core each holds every W-th sample, and `gather` puts them back in order. A dict,
+    list or tuple (nested) of such tensors comes back in its own structure, each tensor
+    gathered.
+
+    Args:
+        tensor: this replica's rows (dim 0 is the sample), or a dict, list or tuple of them.
+        data: the `make_loader(..., train=False)` loader they came from, or the dataset's
+            length.
+        who: the name errors start with.
 
     Example:
         >>> import torch, tpu_utility as tu
@@ -124,6 +175,29 @@ def gather(tensor, data, *, who: str = "gather"):
     else:
         raise TypeError(f"{who}: pass the make_loader(train=False) loader the rows came from, "
                         f"or the dataset's length, got {type(data).__name__}")
+    import torch
+    structure, leaves = flatten(tensor)
+    names = leaf_names(structure, "output")
+    for name, leaf in zip(names, leaves):  # all refused before any collective
+        if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
+            what = ("a 0-dim tensor" if isinstance(leaf, torch.Tensor)
+                    else f"a {type(leaf).__name__}")
+            where = "" if structure["t"] == "leaf" else f" ({name})"
+            raise TypeError(f"{who}: gathers tensors with one row per sample (or dicts, lists "
+                            f"and tuples of them), got {what}{where}: return per-sample rows")
+    slices, _ = current().engine.shard()
+    rows = [leaf.shape[0] * slices for leaf in leaves]
+    if structure["t"] != "leaf" and len(rows) > 1 and max(rows) < n <= sum(rows) and all(
+            c["t"] == "leaf" for c in structure["c"]):  # each batch's output, not joined
+        fix = ("return tensors whose dim 0 is the batch's samples" if who == "predict"
+               else "pass torch.cat(outputs), the batches' outputs joined")
+        raise TypeError(f"{who}: got a {structure['t']} of {len(rows)} tensors, none with a row "
+                        f"for each of the {n} samples: {fix}")
+    return unflatten(structure, [_gathered(leaf, n, who) for leaf in leaves])
+
+
+def _gathered(tensor, n: int, who: str):
+    """One tensor's rows from every replica, in dataset order, the repeats left out."""
     engine = current().engine
     slices, _ = engine.shard()
     out = tensor
