@@ -295,7 +295,8 @@ def _failure(procs, outbox: str, stages, start_method: str, per_process: int,
     reports = sorted(_read(path) for path in _error_files(outbox))  # by when each was raised
     _, rank, pid, pickled, text = reports[0]
     exc = _rebuild_error(rank, pickled, text)
-    if isinstance(exc, SystemExit):  # not re-raised here: it would end the caller in silence
+    if isinstance(exc, SystemExit) and not isinstance(exc, Preempted):
+        # sys.exit in train_fn: re-raised here it would end the caller in silence.
         err = ReplicasExited(exits.called_exit(rank, exc))
         err.__cause__ = exc.__cause__
         return err
