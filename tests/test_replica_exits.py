@@ -51,9 +51,10 @@ def _manual_loop(steps, pause, ends_with):
 @pytest.mark.parametrize("cores", [1, 2])
 @pytest.mark.parametrize("ends_with", ["average_gradients", "sync"])
 def test_a_hand_written_loop_that_moves_is_not_stopped(cores, ends_with):
-    # 12 steps of 0.3 s (3.6 s and more) under a 1.5 s stall_timeout: each step's
-    # average_gradients, or its sync, is progress.
-    assert _run(_manual_loop, cores, 12, 0.3, ends_with, stall_timeout=1.5) == 12
+    # 20 steps of 0.3 s (6 s and more) under a 3 s stall_timeout (the replicas' start-up
+    # counts too, and takes seconds on a loaded host): each step's average_gradients, or
+    # its sync, is progress.
+    assert _run(_manual_loop, cores, 20, 0.3, ends_with, stall_timeout=3) == 20
     assert child_processes() == []
 
 
@@ -61,6 +62,16 @@ def test_a_hand_written_loop_that_stops_moving_is_still_stopped():
     with pytest.raises(tu.Stalled, match="no replica got a batch or ended a step"):
         _run(_manual_loop, 2, 3, 60.0, "sync", stall_timeout=1.5)
     assert child_processes() == []
+
+
+def test_stall_timeout_and_timeout_refuse_nan_and_inf_means_never():
+    nan = float("nan")
+    for kwargs in ({"stall_timeout": nan}, {"timeout": nan}):
+        with pytest.raises(ValueError, match="must be a number of seconds > 0"):
+            tu.run(print, cores=1, engine="distributed", **kwargs)
+    # An infinite bound is no bound: the run finishes.
+    assert _run(_manual_loop, 1, 2, 0.0, "sync", stall_timeout=float("inf"),
+                timeout=float("inf")) == 2
 
 
 # -- Replicas that leave early ----------------------------------------------------------------

@@ -138,6 +138,8 @@ def run_replicas(train_fn: Callable[..., Any], cores: int, args: Sequence[Any], 
             f"directly inside train_fn (it already runs on every core), or call run() at the "
             f"top level of your notebook or script.")
     args = _check_run_arguments(train_fn, args, start_method, timeout, functionalization)
+    if timeout == float("inf"):  # no bound, as None (the engines' timers take finite seconds)
+        timeout = None
     stall_timeout = check_stall_timeout(stall_timeout)
     info = setup_tpu(verbose=False)
     cls = engines.choose(cores, info, engine)

@@ -82,14 +82,14 @@ def dump_path(outbox: str, local_rank: int) -> str:
 
 
 def check_stall_timeout(stall_timeout) -> Optional[float]:
-    """run's `stall_timeout`, checked: seconds > 0, or None (off)."""
+    """run's `stall_timeout`, checked: seconds > 0, or None (off; infinity too)."""
     if stall_timeout is None:
         return None
     if isinstance(stall_timeout, bool) or not isinstance(stall_timeout, (int, float)) \
             or not stall_timeout > 0:
         raise ValueError(f"run: stall_timeout must be a number of seconds > 0, or None to never "
                          f"stop a run that makes no progress, got {stall_timeout!r}")
-    return float(stall_timeout)
+    return None if stall_timeout == float("inf") else float(stall_timeout)
 
 
 def dump_on_signal(path: str):
