@@ -222,7 +222,8 @@ STUCK_WORKERS = """
             tu.sync()
 
     if __name__ == "__main__":
-        engine, cores, plain, caller_killed = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "plain", sys.argv[4] == "1"
+        engine, cores = sys.argv[1], int(sys.argv[2])
+        plain, caller_killed = sys.argv[3] == "plain", sys.argv[4] == "1"
         folder = os.path.abspath(f"workers-{engine}-{cores}-{sys.argv[3]}")
         os.makedirs(folder)
         kw = {} if engine == "xla" else {"engine": engine}
