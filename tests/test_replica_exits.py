@@ -106,6 +106,8 @@ def _dies(how, rank=0):
             tu.average_gradients([w])
             time.sleep(0.1)
         return "the master's result"
+    if how == "sys.exit":
+        sys.exit(0)
     if how == "exit3":
         os._exit(3)
     if how == "exit0":
@@ -145,6 +147,15 @@ def test_the_replica_that_left_is_named_not_the_peer_that_lost_it(how, words):
     print(message)
     assert message.startswith(words), message
     assert "replica 0 then failed waiting for it" in message
+    assert child_processes() == []
+
+
+def test_sys_exit_is_named_before_the_peer_that_lost_it():
+    # Replica 0 is in an all-reduce when replica 1 leaves: both report, in either order,
+    # and the sys.exit is what run raises, every time.
+    for _ in range(3):
+        with pytest.raises(tu.ReplicasExited, match=r"^replica 1 called sys.exit\(0\)"):
+            _run(_dies, 2, "sys.exit", 1)
     assert child_processes() == []
 
 
