@@ -160,7 +160,9 @@ def sync() -> None:
         >>> import tpu_utility as tu
         >>> tu.sync()
     """
-    current().engine.sync()
+    me = current()
+    me.engine.sync()
+    me.beat()  # a step's end, where a hand-written loop has no optimizer_step: progress
 
 
 def world_size() -> int:

@@ -24,8 +24,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from . import engines, replica
-from .children import die_with_parent
+from . import engines, exits, replica
+from .children import descendants, die_with_parent, kill
 from .compat import FUNCTIONALIZATION_ENV, functionalization_on, runtime_started
 from .checkpoint import on_cpu
 from .environment import in_notebook, setup_tpu, xla_version
@@ -35,6 +35,7 @@ from .stall import DEFAULT_STALL_S, Heartbeats, Watch, check_stall_timeout, dump
 
 _POLL_S = 0.5
 _PREEMPT_GRACE_S = 120.0  # from SIGTERM to the replicas' final checkpoint and exit
+_SETTLE_S = 0.5  # after an error, for a replica that left first to show its exit
 
 
 class RemoteTraceback(Exception):
@@ -45,8 +46,11 @@ class RemoteTraceback(Exception):
 
 
 class ReplicasExited(RuntimeError):
-    """Replica processes ended without reporting a result or an error (a segfault, the
-    out-of-memory killer, `os._exit`); the message names each one's exit code or signal.
+    """A replica left before the others finished: its process ended without reporting a
+    result or an error (a segfault, the out-of-memory killer, `os._exit`), or train_fn
+    called `sys.exit`. The message names the replica, its exit code or signal, and whether
+    train_fn had started; where the others then failed waiting for it in a collective,
+    their error is its `__cause__`.
 
     Example:
         >>> import os, tpu_utility as tu
@@ -75,6 +79,11 @@ def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), 
     engine. A run on more than one core prints a first line naming its engine and how to
     pick the other.
 
+    A replica that leaves before the others finish (`sys.exit`, `os._exit`, a crash) is an
+    error naming it (`ReplicasExited`), as is a replica that returned while the others
+    went on stepping, when the run then times out or stalls; their DataLoader workers and
+    anything else they started are stopped with them.
+
     train_fn runs in child processes (`fork` in notebooks, `spawn` in scripts, so guard
     scripts with `if __name__ == "__main__":`), so this process never holds the XLA
     runtime: a `cores=1` run, then a `cores=8` run, work in one notebook kernel. What
@@ -93,9 +102,10 @@ def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), 
             this is None, so a script switches without an edit.
         start_method: "fork" or "spawn"; None: fork in notebooks, spawn in scripts.
         timeout: seconds that bound the whole run; None: no bound.
-        stall_timeout: when no replica gets a batch or finishes an optimizer step for this
-            many seconds (30 minutes; None: never), the replicas' Python stacks are dumped
-            and the run stops with `Stalled`, which names the line each replica waits on.
+        stall_timeout: when no replica gets a batch or ends a step (`optimizer_step`,
+            `average_gradients`, `sync`) for this many seconds (30 minutes; None: never),
+            the replicas' Python stacks are dumped and the run stops with `Stalled`, which
+            names the line each replica waits on.
         functionalization: False starts the replicas with torch_xla's functionalization
             off (XLA_DISABLE_FUNCTIONALIZATION=1), which traces each step with less host
             CPU: with Adam 0.41-0.47x at one device, 0.52-0.63x at 8 (bench_training, on
@@ -128,6 +138,8 @@ def run_replicas(train_fn: Callable[..., Any], cores: int, args: Sequence[Any], 
             f"directly inside train_fn (it already runs on every core), or call run() at the "
             f"top level of your notebook or script.")
     args = _check_run_arguments(train_fn, args, start_method, timeout, functionalization)
+    if timeout == float("inf"):  # no bound, as None (the engines' timers take finite seconds)
+        timeout = None
     stall_timeout = check_stall_timeout(stall_timeout)
     info = setup_tpu(verbose=False)
     cls = engines.choose(cores, info, engine)
@@ -167,8 +179,9 @@ def run_replicas(train_fn: Callable[..., Any], cores: int, args: Sequence[Any], 
         board = StopBoard(expected, ctx)
         outbox = tempfile.mkdtemp(prefix="tpu_utility-run-")  # mode 0700: ours alone
         beats = Heartbeats(nprocs, ctx) if stall_timeout is not None else None
+        stages = exits.Stages(nprocs, ctx)
         launch = _Launch(cls, setup, train_fn, args, results, start_method, outbox,
-                         os.getpid(), board, beats, functionalization, check_steps)
+                         os.getpid(), board, beats, stages, functionalization, check_steps)
         procs = [ctx.Process(target=_process_main, name=f"tpu_utility-{cls.name}-{r}",
                              args=(launch, r)) for r in range(nprocs)]
         watch = Watch(beats, stall_timeout, procs, outbox, replicas=expected)
@@ -177,7 +190,8 @@ def run_replicas(train_fn: Callable[..., Any], cores: int, args: Sequence[Any], 
                 p.start()
             previous = signal.getsignal(signal.SIGTERM)
             with on_sigterm(functools.partial(_on_sigterm, board, previous)):
-                return _collect(procs, results, expected, timeout, start_method, board, watch)
+                return _collect(procs, results, expected, timeout, start_method, board, watch,
+                                stages, outbox)
         finally:
             _stop(procs)
             shutil.rmtree(outbox, ignore_errors=True)
@@ -250,20 +264,21 @@ def _on_sigterm(board, previous, signum, frame) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _collect(procs, results, expected: int, timeout, start_method: str, board, watch):
+def _collect(procs, results, expected: int, timeout, start_method: str, board, watch,
+             stages, outbox):
     deadline = None if timeout is None else time.monotonic() + timeout
-    done, master, started = 0, None, set()
+    done, master = 0, None
     while done < expected:
         try:
             rank, status, path = _next_message(procs, results, deadline, timeout, done, expected,
                                                board, watch)
-        except ReplicasExited as e:
-            raise ReplicasExited(f"{e}{_start_hint(procs, started, start_method)}") from None
-        if status == "started":
-            started.add(rank)
-            continue
+        except ReplicasExited:
+            raise _silent_exits(procs, stages, start_method, watch.per_process) from None
+        except TimeoutError as e:  # timeout= or Stalled: were replicas waiting for others?
+            e.args = (e.args[0] + exits.returned_early(stages, len(procs), watch.per_process),)
+            raise
         if status == "error":
-            raise _rebuild_error(rank, _read(path), procs)
+            raise _failure(procs, outbox, stages, start_method, watch.per_process, done)
         done += 1
         if rank == 0:
             import torch
@@ -273,9 +288,53 @@ def _collect(procs, results, expected: int, timeout, start_method: str, board, w
     return master
 
 
-def _rebuild_error(rank: int, payload, procs) -> BaseException:
+def _failure(procs, outbox: str, stages, start_method: str, per_process: int,
+             done: int) -> BaseException:
+    """What run raises once a replica reported an error: the first thing that went wrong.
+    A replica that leaves early (sys.exit, os._exit, a crash) makes the others fail in their
+    next collective ("Connection closed by peer"), and their reports may come first."""
+    _settle(procs, outbox)
+    reports = sorted(_read(path) for path in _error_files(outbox))  # by when each was raised
+    _, rank, pid, pickled, text = reports[0]
+    exc = _rebuild_error(rank, pickled, text)
+    if isinstance(exc, SystemExit) and not isinstance(exc, Preempted):
+        # sys.exit in train_fn: re-raised here it would end the caller in silence.
+        err = ReplicasExited(exits.called_exit(rank, exc))
+        err.__cause__ = exc.__cause__
+        return err
+    # Processes that ended without a report, before any replica finished: they left first.
+    reported = {report[2] for report in reports}
+    silent = [] if done else [i for i, p in enumerate(procs)
+                              if p.exitcode is not None and p.pid not in reported]
+    if silent:
+        left = "; ".join(exits.left_silently(i, procs[i].exitcode, stages[i], per_process)
+                         for i in silent)
+        err = ReplicasExited(f"{left} (exit codes {_exit_codes(procs)}); replica {rank} then "
+                             f"failed waiting for it: {exc}")
+        err.__cause__ = exc
+        return err
+    return exc
+
+
+def _settle(procs, outbox: str) -> None:
+    """Wait (at most _SETTLE_S) until every replica process has exited or reported an
+    error: one that left early closed its connections a moment before it became an exit
+    code, and the others' errors about it can be read first."""
+    deadline = time.monotonic() + _SETTLE_S
+    while time.monotonic() < deadline:
+        reported = {int(os.path.basename(f)[:-4].split("-")[2]) for f in _error_files(outbox)}
+        if all(p.exitcode is not None or p.pid in reported for p in procs):
+            return
+        time.sleep(0.02)
+
+
+def _error_files(outbox: str) -> list:
+    return [os.path.join(outbox, name) for name in os.listdir(outbox)
+            if name.startswith("error-") and name.endswith(".pkl")]
+
+
+def _rebuild_error(rank: int, pickled: bytes, text: str) -> BaseException:
     """The replica's exception, rebuilt where it can be, with its traceback text as cause."""
-    pickled, text = payload
     try:
         exc = pickle.loads(pickled)
         if not isinstance(exc, BaseException):
@@ -284,26 +343,19 @@ def _rebuild_error(rank: int, payload, procs) -> BaseException:
         lines = text.strip().splitlines()
         exc = RuntimeError(lines[-1] if lines else f"replica {rank} failed")
     exc.__cause__ = RemoteTraceback(f"\n\nReplica {rank} traceback:\n{text}")
-    dead = [p for p in procs if p.exitcode not in (None, 0)]
-    if dead:  # the error is the others losing it in a collective: name the cause
-        err = ReplicasExited(
-            f"replica processes exited without reporting an error (exit codes "
-            f"{_exit_codes(dead)}), and replica {rank} then failed waiting for them: {exc}")
-        err.__cause__ = exc
-        return err
     return exc
 
 
-def _start_hint(procs, started, start_method: str) -> str:
-    """Why replicas that died before train_fn ran did so, when it can be known."""
-    early = [p for i, p in enumerate(procs) if i not in started and p.exitcode not in (None, 0)]
-    if not early:
-        return ""
-    if start_method == "spawn" and _script_unguarded():
-        return (". They died while starting: with start_method='spawn' each child re-imports "
-                "your script, which calls run() again; put the run() call under "
-                "`if __name__ == \"__main__\":`")
-    return ". They died while starting, before train_fn ran (see the traceback above)"
+def _silent_exits(procs, stages, start_method: str, per_process: int) -> ReplicasExited:
+    """Replica processes ended and none reported an error: what became of each, by how far
+    it got (a replica killed inside train_fn is not blamed on start-up)."""
+    unguarded = start_method == "spawn" and _script_unguarded()
+    gone = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)] or \
+        [i for i, p in enumerate(procs) if p.exitcode is not None]
+    left = "; ".join(exits.left_silently(i, procs[i].exitcode, stages[i], per_process,
+                                         unguarded and stages[i] == exits.NOT_STARTED)
+                     for i in gone)
+    return ReplicasExited(f"{left}; no replica reported an error (exit codes {_exit_codes(procs)})")
 
 
 def _script_unguarded() -> bool:
@@ -341,7 +393,7 @@ def _next_message(procs, results, deadline, timeout, done, expected, board, watc
         watch.check()
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"run() timed out (timeout={timeout:g} s) with {done} of {expected} "
-                               f"replicas finished")
+                               f"replicas finished.")
 
 
 def _exit_codes(procs) -> str:
@@ -360,6 +412,10 @@ def _exit_codes(procs) -> str:
 
 
 def _stop(procs) -> None:
+    # The replicas' own children (DataLoader workers, anything train_fn started) would
+    # outlive them: a worker blocked in __getitem__ never reaches torch's watchdog. Listed
+    # while they are still the replicas' children, killed once the replicas are gone.
+    below = descendants([p.pid for p in procs if p.is_alive()])
     for p in procs:
         if p.is_alive():
             p.terminate()
@@ -370,6 +426,7 @@ def _stop(procs) -> None:
         if p.is_alive():
             p.kill()
             p.join()
+    kill(below)
 
 
 @dataclass(frozen=True)
@@ -386,6 +443,7 @@ class _Launch:
     parent_pid: int
     board: StopBoard
     beats: Optional[Heartbeats]
+    stages: exits.Stages  # how far each process got, for when one leaves without a word
     functionalization: Optional[bool]  # None: as the environment says
     check_steps: Optional[int]  # check_functionalization's steps, else None
 
@@ -400,7 +458,7 @@ def _process_main(launch: _Launch, local_rank: int) -> None:
     if launch.beats is not None:
         dump_file = dump_on_signal(dump_path(launch.outbox, local_rank))  # noqa: F841 (kept open)
         beat = launch.beats.slot(local_rank)
-    launch.results.put((local_rank, "started", None))
+    launch.stages.mark(local_rank, exits.STARTING)
     if launch.start_method == "fork":
         # torch's OpenMP pool (libgomp) hangs in a forked child if the parent used it, at
         # the child's first parallel CPU op. One thread runs ops inline, as DataLoader
@@ -408,22 +466,25 @@ def _process_main(launch: _Launch, local_rank: int) -> None:
         import torch
         torch.set_num_threads(1)
     try:
-        launch.engine.start(launch.setup, local_rank, functools.partial(_replica_main, launch, beat))
+        launch.engine.start(launch.setup, local_rank,
+                            functools.partial(_replica_main, launch, beat, local_rank))
     except BaseException as e:  # the engine failed to start (a replica's own errors are reported)
         _report_error(launch.results, launch.outbox, local_rank, e)
 
 
-def _replica_main(launch: _Launch, beat, engine) -> None:
+def _replica_main(launch: _Launch, beat, local_rank: int, engine) -> None:
     import torch
     results, outbox = launch.results, launch.outbox
     try:
         me = replica.Replica(engine, heartbeat=beat, board=launch.board,
                              stop_after=launch.check_steps)
         with replica.activate(me):
+            launch.stages.mark(local_rank, exits.IN_TRAIN_FN)
             try:
                 out = launch.train_fn(*launch.args)
             except replica.StepLimit:  # check_functionalization's steps are done
                 out = None
+            launch.stages.mark(local_rank, exits.RETURNED)
             if launch.check_steps is not None:
                 out = me.check_record()
             out = on_cpu(out)()  # a returned model comes back as a CPU copy
@@ -447,17 +508,19 @@ def _replica_main(launch: _Launch, beat, engine) -> None:
 def _report_error(results, outbox, rank, e) -> None:
     # Report and return: the parent stops every replica, including those waiting for
     # this one in a collective.
+    # When it was raised: the caller blames the earliest error (see _failure).
+    when, pid = time.monotonic(), os.getpid()
     text = traceback.format_exc()
     try:
         pickled = pickle.dumps(e)
     except Exception:
         pickled = b""
-    path = os.path.join(outbox, f"error-{rank}-{os.getpid()}.pkl")
+    path = os.path.join(outbox, f"error-{rank}-{pid}.pkl")
     try:
-        atomic_write(path, lambda f: pickle.dump((pickled, text), f))
+        atomic_write(path, lambda f: pickle.dump((when, rank, pid, pickled, text), f))
     except Exception:
         try:
-            atomic_write(path, lambda f: pickle.dump((b"", text), f))
+            atomic_write(path, lambda f: pickle.dump((when, rank, pid, b"", text), f))
         except OSError:  # nowhere to write: the exit code will still tell the parent
             return
     results.put((rank, "error", path))

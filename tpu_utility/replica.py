@@ -211,6 +211,7 @@ class Replica:
         if self.engine.replicas > 1:
             self._make_identical(params)
             self._average(params, "average_gradients")
+        self.beat()  # a hand-written step's gradients are ready: progress for the stall watch
 
     def sync_module(self, model) -> None:
         """Make `model`'s parameters and buffers the master's, on every replica (and then

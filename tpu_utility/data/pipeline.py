@@ -1,7 +1,8 @@
 """One replica's batch pipeline: the torch DataLoader that `build` makes from a loader's
 spec, over each epoch's indices with their places (`_Sampler`) and the dataset as it
 loads (loading.py); the exception that ends an epoch kept for the training thread
-(`Guard`); workers that outlive a SIGTERM long enough for the last checkpoint.
+(`Guard`); workers that die with their replica, and outlive a SIGTERM long enough for
+the last checkpoint.
 """
 from __future__ import annotations
 
@@ -111,17 +112,24 @@ class Guard:
 
 
 class _WorkerInit:
-    """A DataLoader worker outlives a SIGTERM sent to the whole process group (a VM
-    shutting down, `timeout`) by _TERM_GRACE_S, so its replica can reach the next step and
-    write its final checkpoint; it still goes with its replica, by torch's own watchdog."""
+    """A DataLoader worker goes with its replica, at once, whatever ends it (torch's own
+    watchdog only looks between samples, so a worker blocked in `__getitem__` would stay).
+    It outlives a SIGTERM sent to the whole process group (a VM shutting down, `timeout`)
+    by _TERM_GRACE_S, so its replica can reach the next step and write its final
+    checkpoint; no longer than its replica."""
 
     _TERM_GRACE_S = 60.0
 
     def __init__(self, fn):
         self.fn = fn
+        # Made in the replica, which forks the workers (from its main thread, or XLA's
+        # loader thread).
+        self.parent = os.getpid(), threading.main_thread().ident
 
     def __call__(self, worker_id: int) -> None:
         import signal
+        from ..children import die_with_parent_process
+        die_with_parent_process(*self.parent)
         signal.signal(signal.SIGTERM, _exit_later)
         if self.fn is not None:
             self.fn(worker_id)
