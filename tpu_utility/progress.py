@@ -11,7 +11,7 @@ the device.
 from __future__ import annotations
 
 import sys
-from typing import Iterable, List, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 from .devices import is_master
 from .environment import in_notebook

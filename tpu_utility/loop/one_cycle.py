@@ -11,7 +11,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from ..amp import autocast_context
 from ..checkpoint import save_or_warn
