@@ -16,6 +16,7 @@ import contextlib
 import warnings
 from typing import Any, ContextManager, Dict, Optional
 
+from .. import rng
 from .._tree import flatten
 from ..checkpoint import read, restore, state, write
 from ..devices import is_master
@@ -219,7 +220,7 @@ def data_fingerprint(dataset) -> str:
     import hashlib
     n = len(dataset)
     digest = hashlib.sha256(str(n).encode())
-    with _seeded():
+    with rng.seeded(0):
         for i in sorted({k * (n - 1) // 7 for k in range(8)} if n else ()):
             try:
                 row = dataset[i]
@@ -230,23 +231,6 @@ def data_fingerprint(dataset) -> str:
             for leaf in leaves:
                 digest.update(_leaf_bytes(leaf))
     return f"{n} rows, hash {digest.hexdigest()[:12]}"
-
-
-@contextlib.contextmanager
-def _seeded():
-    import random
-    import numpy as np
-    import torch
-    py, npy = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
-        random.seed(0)
-        np.random.seed(0)
-        torch.manual_seed(0)
-        try:
-            yield
-        finally:
-            random.setstate(py)
-            np.random.set_state(npy)
 
 
 def _leaf_bytes(leaf) -> bytes:
