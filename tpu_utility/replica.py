@@ -20,6 +20,7 @@ from . import rng
 from .checks import check_optimizer_device, check_parameters
 from .engines import Engine, outside_run
 from .host_bound import Span
+from .in_place import as_copies
 from .preemption import StopBoard
 
 if TYPE_CHECKING:
@@ -155,7 +156,8 @@ class Replica:
                             f" (for a plain step, call optimizer_step(opt))")
         if closure is None:
             self.sync_gradients(opt)
-            out = opt.step(**step_kwargs)
+            with as_copies(self.engine.device()):
+                out = opt.step(**step_kwargs)
         else:
             if self.engine.replicas > 1:
                 self._first_step(opt)

@@ -55,9 +55,10 @@ def _batch_norm(x, running_mean, running_var, weight, bias, training, momentum, 
                              f"input size {x.size()}")
         var, mean = torch.var_mean(xf, dim=[0] + list(range(2, x.dim())), unbiased=False)
         if running_mean is not None:
-            with torch.no_grad():
-                running_mean.lerp_(mean, momentum)
-                running_var.lerp_(var * (per_channel / (per_channel - 1)), momentum)
+            with torch.no_grad():  # lerp and copy_: what lerp_ becomes, less host time (in_place.py)
+                running_mean.copy_(torch.lerp(running_mean, mean, momentum))
+                running_var.copy_(torch.lerp(running_var, var * (per_channel / (per_channel - 1)),
+                                             momentum))
     else:
         mean, var = running_mean, running_var
     scale = torch.rsqrt(var + eps)
