@@ -32,6 +32,14 @@ def test_bench_memory_smoke():
     assert "per-process baseline" in out and "PSS at the end" in out
 
 
+def test_bench_optimizer_step_smoke():
+    out = bench("bench_optimizer_step.py", "--optimizers", "Adam", "--rounds", "1", "--steps", "7",
+                "--warmup", "5")
+    rows = [line for line in out.splitlines() if line.startswith("| Adam |")]
+    # torch's foreach and the library's step end bit-equal to torch's own per-parameter one
+    assert len(rows) == 1 and rows[0].rstrip().endswith("| True, True | True |"), out
+
+
 def test_bench_reads_smoke():
     out = bench("bench_reads.py", "--batches", "2", "--layers", "4", "--repeats", "1")
     rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:4]]
