@@ -93,7 +93,6 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     a = p.parse_args(argv)
     import torch
-    import torch_xla  # noqa: F401  (the versions line)
     from importlib.metadata import version
     names = a.optimizers.split(",")
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, torch_xla "
