@@ -11,9 +11,11 @@ gradients:
    torch then runs its per-parameter implementation.
 2. `torch foreach`: `opt.step()` with `foreach=True` written on the optimizer, as a user who
    knows the trick would: torch's foreach implementation alone.
-3. `tu.optimizer_step`: the library's step, which sets `foreach=True` where it was unset
-   and traces the in-place updates by a tensor as an out-of-place op and a `copy_`
-   (tpu_utility/in_place.py).
+3. `tu.optimizer_step`: the library's step, which sets `foreach=True` where it was unset;
+   for SGD, Adam and AdamW it replays the update as one XLA computation lowered once
+   (tpu_utility/fused_step.py; the first step, which makes the state, is torch's own);
+   for the others it traces the in-place updates by a tensor as an out-of-place op and a
+   `copy_` (tpu_utility/in_place.py).
 
 Each variant gets a fresh model (the same seed) and optimizer; each step is a forward and
 backward on a fixed batch, then the step, then `torch_xla.sync()`. Only the step is timed,

@@ -1,6 +1,7 @@
 """On XLA the library's optimizer step uses torch's foreach kernels where the user left
-`foreach` unset (torch picks them on CUDA and CPU only), and traces the optimizer's
-in-place updates as an out-of-place op and a copy (in_place.py): the results are
+`foreach` unset (torch picks them on CUDA and CPU only), traces the optimizer's
+in-place updates as an out-of-place op and a copy (in_place.py), and runs SGD's, Adam's and
+AdamW's update from their second step as one computation (fused_step.py): the results are
 bit-equal to torch's own per-parameter `opt.step()`, with and without clipping, at 1
 device and 8 SPMD devices; an explicit foreach=False is kept. No Python meta kernel runs
 in the library's step, where torch's own step runs several per parameter tensor, and the

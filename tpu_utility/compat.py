@@ -208,3 +208,42 @@ def functionalization_on(env=os.environ) -> bool:
         return False
     number = re.match(r"\s*[+-]?(\d+)", value)  # atoi: leading blanks, a sign, digits
     return not (number and int(number.group(1)))
+
+
+def lower_once(name: str, fn: Callable, inputs: List) -> tuple:
+    """`fn(*inputs)` traced once, on placeholders shaped as `inputs`, into an XLA
+    computation: (computation, slots) for `call_lowered`. Python numbers in `fn` become
+    device data held in `slots` (torch_xla hoists them into parameters), so `fn` must take
+    what changes from call to call as tensors.
+
+    The placeholders and the traced outputs die here, before any graph is cut: a placeholder
+    has no device buffer, and a sync reaching one fails. torch_xla's own assume_pure_torch
+    (2.9) lowers this way; these calls are in 2.8 and 2.9 alike.
+    """
+    import torch_xla
+    import torch_xla.core.xla_builder as xb
+    fakes = [xb.create_placeholder_tensor(t.shape, t.dtype) for t in inputs]
+    outputs = list(fn(*fakes))
+    context = torch_xla._XLAC.lowering.LoweringContext(name)
+    context.build(outputs)
+    computation = xb.computation_from_module_proto(name, context.hlo())
+    hoisted = context.device_parameter_id_tensor_mapping()
+    slots: list = [None] * len(hoisted)
+    for i, fake in enumerate(fakes):
+        position = context.tensor_parameter_id(fake)
+        if position != -1:
+            slots[position] = i  # an int: take inputs[i] at each call
+            del hoisted[position]
+    for position, tensor in hoisted.items():
+        slots[position] = tensor
+    del fakes, outputs, context
+    return computation, slots
+
+
+def call_lowered(name: str, lowered: tuple, inputs: List) -> List:
+    """The outputs of a `lower_once` computation on `inputs` (tensors shaped as the traced
+    ones): one node in the graph, whatever it computes."""
+    import torch_xla
+    computation, slots = lowered
+    args = [inputs[s] if isinstance(s, int) else s for s in slots]
+    return torch_xla._XLAC._xla_user_computation(name, args, computation)

@@ -16,6 +16,8 @@ The checks stay: `copy_` refuses a result whose shape is not `x`'s (a broadcast
 the in-place op would refuse), and where the result's dtype is not `x`'s the in-place op
 itself runs, so torch's casting rules and errors are its own.
 
+SGD, Adam and AdamW take fused_step.py's path instead from their second step; this one
+serves their first step, which makes the state, and every other optimizer.
 It applies to the ops of `_OPS` (foreach and Tensor-method forms) on functional
 tensors with autograd off, as inside `optimizer.step()`: with
 autograd on, an in-place op and its copy record different graphs, so those are left as

@@ -16,7 +16,7 @@ import weakref
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, Optional
 
-from . import rng
+from . import fused_step, rng
 from .checks import check_optimizer_device, check_parameters
 from .engines import Engine, outside_run
 from .host_bound import Span
@@ -156,8 +156,12 @@ class Replica:
                             f" (for a plain step, call optimizer_step(opt))")
         if closure is None:
             self.sync_gradients(opt)
-            with as_copies(self.engine.device()):
-                out = opt.step(**step_kwargs)
+            device = self.engine.device()
+            if step_kwargs or not fused_step.step(opt, device):
+                with as_copies(device):
+                    out = opt.step(**step_kwargs)
+            else:
+                out = None  # what opt.step() returns without a closure
         else:
             if self.engine.replicas > 1:
                 self._first_step(opt)
