@@ -116,6 +116,38 @@ def norm_cases():
                     native = F.layer_norm(x.to(d, dtype), (8,), *args, 1e-5)
                 out[f"ln {dtype} autocast={autocast} affine={affine}"] = (
                     str(mine.dtype), str(native.dtype), (mine.float() - native.float()).abs().max().item(), 0.0)
+    out["lowered"] = lowered_cases()
+    return out
+
+
+def lowered_cases():
+    """Training BatchNorm as two lowered computations (float32, autocast off) against the
+    same ops traced one by one: output, running statistics and the gradients of x, weight
+    and bias, three steps each; and the ops traced by a call once lowered."""
+    import torch_xla
+    import torch_xla.debug.metrics as met
+    from tpu_utility.engines.spmd_norms import _batch_norm, _batch_norm_ops
+    d, out = torch_xla.device(), {}
+    for shape in ((6, 3), (6, 3, 4, 5)):
+        for affine in (True, False):
+            results, traced = [], []
+            for fn in (_batch_norm, _batch_norm_ops):
+                torch.manual_seed(0)
+                stats = [torch.randn(3).to(d), (torch.rand(3) + 0.5).to(d)]
+                w, b = (torch.rand(3) + 0.5).to(d).requires_grad_(), torch.randn(3).to(d).requires_grad_()
+                got = []
+                for step in range(3):
+                    x = (torch.randn(*shape) * 3 + 1).to(d).requires_grad_()
+                    before = sum(met.counter_value(n) or 0 for n in ("xla::var_mean", "xla::rsqrt"))
+                    y = fn(x, *stats, *((w, b) if affine else (None, None)), True, 0.1, 1e-5)
+                    traced.append(sum(met.counter_value(n) or 0 for n in ("xla::var_mean", "xla::rsqrt")) - before)
+                    (y * torch.arange(y.numel(), device=d).reshape(y.shape)).sum().backward()
+                    got += [y, x.grad] + [t.clone() for t in stats]
+                got += [w.grad, b.grad] if affine else []
+                results.append([t.detach().cpu() for t in got])
+            out[f"{len(shape)}d affine={affine}"] = {
+                "equal": all(torch.equal(a, c) for a, c in zip(*results)),
+                "traced": traced[1:3] + traced[4:]}  # after the first (lowering) call
     return out
 
 
@@ -167,6 +199,9 @@ def test_batchnorm_at_8_devices_is_the_global_batchs_and_is_split(run_script, tm
             torch.testing.assert_close(one["state"][name].float(), value.float(), rtol=1e-4,
                                        atol=1e-5)
 
+    for case, r in out["norms"].pop("lowered").items():
+        # two computations, bit-equal to the ops one by one, which trace var_mean and rsqrt
+        assert r["equal"] and r["traced"] == [0, 0, 2, 2], (case, r)
     for case, (dtype, native, diff, stats) in out["norms"].items():
         assert dtype == native, case  # the dtype torch_xla's own gives, autocast or not
         assert diff < (0.05 if "bfloat16" in case + dtype else 1e-5), (case, diff)

@@ -9,12 +9,18 @@ with no switch of its own. Inside the "spmd" child `F.batch_norm` and `F.layer_n
 are replaced by these for XLA tensors, so `nn.BatchNorm*` and `nn.LayerNorm` use them;
 other tensors, and code holding the original functions, are untouched. Statistics are
 computed in float32 (BatchNorm's running variance unbiased, as torch's is) and the
-output has the dtype torch_xla's own would have. The cost is host time: a BatchNorm
-layer traces about 0.5 ms more per step (17 layers at 8 devices: 26.6 ms against 18.8;
-XLA:CPU ran the step 6x faster). TPU_UTILITY_SPMD_NORMS=0 keeps torch_xla's own, to
+output has the dtype torch_xla's own would have. The cost was host time: a BatchNorm
+layer traced about 0.5 ms more per step as ops (17 layers at 8 devices: 26.6 ms against
+18.8; XLA:CPU ran the step 6x faster). Training BatchNorm in float32 is now two lowered
+computations per layer, forward and backward (below), bit-equal to the ops: the SGD CNN
+of benchmarks/bench_training.py at 8 devices traced its step in 0.88-0.92x the host CPU
+of a hand-written loop with torch_xla's own BatchNorm (1.0x as ops, with the fused
+optimizer step). TPU_UTILITY_SPMD_NORMS=0 keeps torch_xla's own, to
 compare on a TPU, where whether libtpu gathers the same way is not yet measured.
 """
 from __future__ import annotations
+
+import functools
 
 _LOW = ("torch.bfloat16", "torch.float16")
 
@@ -43,10 +49,21 @@ def use_partitioned_norms() -> None:
 
 
 def _batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps):
+    import torch
+    if (training and _lowerable(x, running_mean, running_var, weight, bias)
+            and not torch.is_autocast_enabled("xla") and isinstance(momentum, float)):
+        out, new_mean, new_var = _training_autograd().apply(
+            x, weight, bias, running_mean, running_var, _number(momentum, x.device), eps)
+        with torch.no_grad():
+            torch._foreach_copy_([running_mean, running_var], [new_mean, new_var])
+        return out
+    return _batch_norm_ops(x, running_mean, running_var, weight, bias, training, momentum, eps)
+
+
+def _batch_norm_ops(x, running_mean, running_var, weight, bias, training, momentum, eps):
     # Few ops, most on per-channel vectors: each op costs host time to trace, forward and
     # backward, and a layer is traced every step.
     import torch
-    shape = [1, -1] + [1] * (x.dim() - 2)
     xf = x.float() if str(x.dtype) in _LOW else x
     if training:
         per_channel = x.numel() // x.size(1)
@@ -57,18 +74,119 @@ def _batch_norm(x, running_mean, running_var, weight, bias, training, momentum, 
         if running_mean is not None:
             with torch.no_grad():  # lerp and copy_: what lerp_ becomes, less host time (in_place.py)
                 running_mean.copy_(torch.lerp(running_mean, mean, momentum))
-                running_var.copy_(torch.lerp(running_var, var * (per_channel / (per_channel - 1)),
+                running_var.copy_(torch.lerp(running_var, _unbiased(var, per_channel),
                                              momentum))
     else:
         mean, var = running_mean, running_var
+    out = _normalized(xf, mean, var, weight, bias, eps)
+    # autocast runs batch_norm in float32 on XLA; without it the output keeps x's dtype
+    return out if torch.is_autocast_enabled("xla") else out.to(x.dtype)
+
+
+def _unbiased(var, per_channel):
+    return var * (per_channel / (per_channel - 1))
+
+
+def _normalized(x, mean, var, weight, bias, eps):
+    import torch
+    shape = [1, -1] + [1] * (x.dim() - 2)
     scale = torch.rsqrt(var + eps)
     if weight is not None:
         scale = scale * weight
-    centred = xf - mean.reshape(shape)
-    out = centred * scale.reshape(shape) if bias is None else \
+    centred = x - mean.reshape(shape)
+    return centred * scale.reshape(shape) if bias is None else \
         torch.addcmul(bias.reshape(shape), centred, scale.reshape(shape))
-    # autocast runs batch_norm in float32 on XLA; without it the output keeps x's dtype
-    return out if torch.is_autocast_enabled("xla") else out.to(x.dtype)
+
+
+# -- training BatchNorm as two computations -----------------------------------------------------
+# The ops above, forward and backward, traced once per shape and lowered to one XLA
+# computation each (compat.lower_once), as fused_step.py does for the optimizer: a layer's
+# step is then two graph nodes to trace instead of some thirty. The backward computation is
+# autograd's own backward of those ops, traced on placeholders, so the results are bit-equal
+# to the ops traced one by one (tests/test_spmd.py). float32 only, autocast off, running
+# statistics kept, weight and bias both or neither; anything else takes the ops above.
+
+def _lowerable(x, running_mean, running_var, weight, bias) -> bool:
+    import torch
+    tensors = [x, running_mean, running_var] + ([weight, bias] if weight is not None else [])
+    return ((weight is None) == (bias is None) and running_mean is not None
+            and running_var is not None and x.numel() > x.size(1) > 0
+            and all(t.dtype is torch.float32 for t in tensors))
+
+
+_lowered: dict = {}
+_numbers: dict = {}  # (value, device): a 0-d device tensor, uploaded once
+
+
+def _number(value, device):
+    import torch
+    key = (value, str(device))
+    if key not in _numbers:
+        if len(_numbers) > 64:  # momentum=None gives a new value every step
+            _numbers.clear()
+        _numbers[key] = torch.tensor(value, dtype=torch.float32).to(device)
+    return _numbers[key]
+
+
+def _call(kind, fn, inputs, key):
+    from ..compat import call_lowered, lower_once
+    key = (kind, key, tuple(tuple(t.shape) for t in inputs))
+    lowered = _lowered.get(key)
+    if lowered is None:
+        lowered = _lowered[key] = lower_once(f"xla::tpu_utility_bn_{kind}", fn, inputs)
+    return call_lowered(f"xla::tpu_utility_bn_{kind}", lowered, inputs)
+
+
+def _forward(x, affine, eps, momentum=None, rest=()):
+    import torch
+    weight, bias = rest[:2] if affine else (None, None)
+    var, mean = torch.var_mean(x, dim=[0] + list(range(2, x.dim())), unbiased=False)
+    out = _normalized(x, mean, var, weight, bias, eps)
+    if momentum is None:
+        return out
+    running_mean, running_var = rest[-2:]
+    per_channel = x.numel() // x.size(1)
+    return [out, torch.lerp(running_mean, mean, momentum),
+            torch.lerp(running_var, _unbiased(var, per_channel), momentum)]
+
+
+@functools.lru_cache(maxsize=None)
+def _training_autograd():
+    import torch
+    from torch.autograd.function import once_differentiable
+
+    class TrainingBatchNorm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps):
+            affine = weight is not None
+            params = [weight, bias] if affine else []
+            inputs = [x] + params + [running_mean, running_var, momentum]
+            out, new_mean, new_var = _call(
+                "forward", lambda x, *rest: _forward(x, affine, eps, rest[-1], rest[:-1]),
+                inputs, (affine, eps))
+            ctx.save_for_backward(x, *params)
+            ctx.affine, ctx.eps = affine, eps
+            ctx.mark_non_differentiable(new_mean, new_var)
+            return out, new_mean, new_var
+
+        @staticmethod
+        @once_differentiable
+        def backward(ctx, grad, _mean, _var):
+            saved, affine, eps = list(ctx.saved_tensors), ctx.affine, ctx.eps
+
+            def backward_of_forward(x, *rest):
+                *params, grad = rest
+                with torch.enable_grad():
+                    leaves = [t.detach().requires_grad_() for t in [x] + params]
+                    out = _forward(leaves[0], affine, eps, rest=leaves[1:])
+                    return list(torch.autograd.grad(out, leaves, grad))
+
+            grads = _call("backward", backward_of_forward, saved + [grad], (affine, eps))
+            if affine:
+                return grads[0], grads[1], grads[2], None, None, None, None
+            return grads[0], None, None, None, None, None, None
+
+    return TrainingBatchNorm
 
 
 def _layer_norm(x, normalized_shape, weight, bias, eps):
