@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import functools
 import os
+from dataclasses import dataclass
 from numbers import Real
 from typing import Callable, List, Optional
 
@@ -41,14 +42,16 @@ _CACHE_SIZE = 64  # computations kept, least recently used dropped: hyperparamet
 _lowered: "collections.OrderedDict" = collections.OrderedDict()
 
 
+@dataclass(frozen=True)
 class _Plan:
     """One param group's step: what goes in, what comes out, and where it goes."""
 
-    __slots__ = ("key", "fn", "tensors", "numbers", "targets", "before")
-
-    def __init__(self, key, fn, tensors, numbers, targets, before=None):
-        self.key, self.fn, self.tensors, self.numbers = key, fn, tensors, numbers
-        self.targets, self.before = targets, before
+    key: tuple  # the configuration; with the tensors' shapes, the computation's cache key
+    fn: Callable  # the update, traced once: (*tensors, numbers) -> the targets' new values
+    tensors: list  # parameters, gradients, state
+    numbers: Callable  # () -> the step's moving numbers, as torch computes them
+    targets: list  # where the outputs are copied, in order
+    before: Optional[Callable] = None  # torch's own first move (Adam's step counters)
 
 
 def step(opt, device) -> bool:
