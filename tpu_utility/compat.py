@@ -6,6 +6,7 @@ reading this file. Each function imports torch_xla only when called.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import importlib.util
 import os
@@ -238,6 +239,24 @@ def lower_once(name: str, fn: Callable, inputs: List) -> tuple:
         slots[position] = tensor
     del fakes, outputs, context
     return computation, slots
+
+
+_LOWERED: "collections.OrderedDict" = collections.OrderedDict()
+_LOWERED_KEPT = 1024  # least recently used dropped: a model's BatchNorm shapes, optimizers
+
+
+def lower_cached(name: str, key: tuple, fn: Callable, inputs: List) -> tuple:
+    """`lower_once(name, fn, inputs)`, kept for `key` and the inputs' shapes and dtypes:
+    traced on the first call of each, looked up after."""
+    key = (name, key, tuple((tuple(t.shape), t.dtype) for t in inputs))
+    lowered = _LOWERED.get(key)
+    if lowered is None:
+        lowered = _LOWERED[key] = lower_once(name, fn, inputs)
+        while len(_LOWERED) > _LOWERED_KEPT:
+            _LOWERED.popitem(last=False)
+    else:
+        _LOWERED.move_to_end(key)
+    return lowered
 
 
 def call_lowered(name: str, lowered: tuple, inputs: List) -> List:

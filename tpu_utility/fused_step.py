@@ -28,18 +28,16 @@ nothing, and the caller runs `opt.step()`. TPU_UTILITY_FUSED_STEP=0 turns it off
 """
 from __future__ import annotations
 
-import collections
 import functools
 import os
 from dataclasses import dataclass
 from numbers import Real
 from typing import Callable, List, Optional
 
-from .compat import call_lowered, lower_once
+from .compat import call_lowered, lower_cached
 
 ENV = "TPU_UTILITY_FUSED_STEP"
-_CACHE_SIZE = 64  # computations kept, least recently used dropped: hyperparameters can vary
-_lowered: "collections.OrderedDict" = collections.OrderedDict()
+_NAME = "xla::tpu_utility_step"
 
 
 @dataclass(frozen=True)
@@ -137,20 +135,14 @@ def _state_tensors(tensors, params, device) -> bool:
 
 def _run(plan: _Plan, device) -> None:
     import torch
-    key = (plan.key, tuple(tuple(t.shape) for t in plan.tensors))
-    lowered = _lowered.get(key)
-    if lowered is None:  # before `before`: a failure here leaves torch's counters as they were
-        lowered = _lowered[key] = lower_once("xla::tpu_utility_step", plan.fn,
-                                              plan.tensors + [torch.zeros(len(plan.numbers()))])
-        while len(_lowered) > _CACHE_SIZE:
-            _lowered.popitem(last=False)
-    else:
-        _lowered.move_to_end(key)
+    # lowered before `before`: a failure there leaves torch's counters as they were
+    lowered = lower_cached(_NAME, plan.key, plan.fn,
+                           plan.tensors + [torch.zeros(len(plan.numbers()))])
     if plan.before is not None:
         plan.before()
     # the step's numbers as torch's own step rounds them: Python floats to float32
     numbers = torch.tensor(plan.numbers(), dtype=torch.float32).to(device)
-    outputs = call_lowered("xla::tpu_utility_step", lowered, plan.tensors + [numbers])
+    outputs = call_lowered(_NAME, lowered, plan.tensors + [numbers])
     torch._foreach_copy_(plan.targets, list(outputs))
 
 

@@ -114,7 +114,6 @@ def _lowerable(x, running_mean, running_var, weight, bias) -> bool:
             and all(t.dtype is torch.float32 for t in tensors))
 
 
-_lowered: dict = {}
 _numbers: dict = {}  # (value, device): a 0-d device tensor, uploaded once
 
 
@@ -129,12 +128,9 @@ def _number(value, device):
 
 
 def _call(kind, fn, inputs, key):
-    from ..compat import call_lowered, lower_once
-    key = (kind, key, tuple(tuple(t.shape) for t in inputs))
-    lowered = _lowered.get(key)
-    if lowered is None:
-        lowered = _lowered[key] = lower_once(f"xla::tpu_utility_bn_{kind}", fn, inputs)
-    return call_lowered(f"xla::tpu_utility_bn_{kind}", lowered, inputs)
+    from ..compat import call_lowered, lower_cached
+    name = f"xla::tpu_utility_bn_{kind}"
+    return call_lowered(name, lower_cached(name, key, fn, inputs), inputs)
 
 
 def _forward(x, affine, eps, momentum=None, rest=()):
