@@ -54,8 +54,10 @@ def test_thread_clocks_read_other_threads():
     tid = threading.get_native_id()
     a, b = host_bound.thread_cpu_s(tid), time.thread_time()
     assert abs(a - b) < 0.01
-    # another thread's CPU is seen from here: one that burns ~0.1 s of CPU
-    out = {}
+    # another thread's CPU is seen from here: one that burns ~0.1 s of CPU, then waits
+    # (alive, its clock still) until it has been read: events, not sleeps, so that a busy
+    # machine only makes it slower (a 0.2 s sleep once read 0.07 s of a thread not done)
+    out, burned, read = {}, threading.Event(), threading.Event()
 
     def burn():
         out["tid"] = threading.get_native_id()
@@ -63,13 +65,17 @@ def test_thread_clocks_read_other_threads():
         while time.thread_time() - t0 < 0.1:
             pass
         out["cpu"] = time.thread_time()
-        time.sleep(0.3)
+        burned.set()
+        read.wait(60)
 
     t = threading.Thread(target=burn)
     t.start()
-    time.sleep(0.2)
-    seen = host_bound.thread_cpu_s(out["tid"])
-    t.join()
+    try:
+        assert burned.wait(60)
+        seen = host_bound.thread_cpu_s(out["tid"])
+    finally:
+        read.set()
+        t.join()
     assert seen >= 0.1 and abs(seen - out["cpu"]) < 0.01
     # gone: the kernel reaps the thread a moment after join() returns (under load, more
     # than a moment: seen once in a suite run beside another), so wait for it, bounded
