@@ -87,9 +87,11 @@ def test_one_core_matches_cpu_falls_back_never_compiles_once_and_the_meter_reads
     # the cheapest cure that fits: workers for a loader that has none (on a host of 2+ cores)
     cure = "num_workers=" if (os.cpu_count() or 1) >= 2 else "tu.cache_dataset"
     assert any("waited for its next batch" in h and cure in h for h in r["slow_hints"]), r["slow_hints"]
-    # rows in memory, prefetched by the feed: the loop hardly waits, and no hint
+    # rows in memory, prefetched by the feed: the loop hardly waits, and no input hint (the
+    # host-bound meter may well say "the device waited on Python": a model this small is
+    # host-bound or not by the machine's load, which is that meter's own test's business)
     assert max(r["cached"]) < 0.2, r["cached"]
-    assert not any("waited" in h for h in r["cached_hints"])
+    assert not any("waited for its next batch" in h for h in r["cached_hints"]), r["cached_hints"]
     assert [t for _, t in r["cached_counts"][1:]] == [1, 1]  # the epoch's one read, nothing added
     assert r["hand_transfers"] == 0
     assert r["hand_wait"][0] < 0.5 and r["hand_wait"][1:] == [200, 1600]
