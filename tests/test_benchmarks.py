@@ -3,11 +3,11 @@ unseen; the counts they print are checked, never their times (their figures are 
 full runs)."""
 import sys
 
-from conftest import ROOT, run_process
+from conftest import ROOT, run_process, run_python
 
 
 def bench(name, *args):
-    proc = run_process([sys.executable, str(ROOT / "benchmarks" / name), *args], cwd=ROOT,
+    proc = run_python([sys.executable, str(ROOT / "benchmarks" / name), *args], cwd=ROOT,
                        timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout

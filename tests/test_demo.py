@@ -2,14 +2,14 @@
 the data. (The full-size run, with its 90% accuracy bar, is the README's first command.)"""
 import sys
 
-from conftest import ROOT, run_process
+from conftest import ROOT, run_python
 
 
 def test_demo_small_end_to_end_and_rerun(tmp_path):
     cmd = [sys.executable, str(ROOT / "examples" / "demo.py"), "--images", "240", "--epochs", "2",
            "--batch-size", "4", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "out"),
            "--min-accuracy", "0", "--lr-find-steps", "30"]
-    first = run_process(cmd, cwd=tmp_path, timeout=300)
+    first = run_python(cmd, cwd=tmp_path, timeout=300)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "data: made 240" in first.stdout
     assert "validation accuracy (predict on the 48 held-out images)" in first.stdout
@@ -17,7 +17,7 @@ def test_demo_small_end_to_end_and_rerun(tmp_path):
     for png in ("batch.png", "lr_find.png", "training.png"):
         assert (tmp_path / "out" / png).stat().st_size > 1000, png
     # The rerun is about reusing the data: it stops once the data is ready.
-    again = run_process(cmd + ["--data-only"], cwd=tmp_path, timeout=300)
+    again = run_python(cmd + ["--data-only"], cwd=tmp_path, timeout=300)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "data: reusing 240 images" in again.stdout
     assert "0 resized, 240 already done" in again.stdout

@@ -114,7 +114,7 @@ def test_import_setup_and_scaling_do_not_start_the_runtime(run_script):
         import torch_xla
         print("RESULT", json.dumps({"cheap_import": cheap,
             "started": torch_xla._XLAC._xla_runtime_is_initialized()}))
-    """)
+    """, fresh=True)  # what `import tpu_utility` imports: a process that imported nothing yet
     assert proc.result == {"cheap_import": True, "started": False}
 
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import processes, run_process, script_env
+from conftest import processes, run_process, run_python, script_env
 
 COMMON = """
     import json, math, os, sys, warnings, torch, torch.nn as nn, torch.nn.functional as F
@@ -129,7 +129,7 @@ def test_errors_while_loading_reach_the_training_code(tmp_path):
     script.write_text(textwrap.dedent(INPUT_SCRIPT))
     images = tmp_path / "images"
     images.mkdir()
-    proc = run_process([sys.executable, str(script), str(images)], cwd=tmp_path, timeout=500)
+    proc = run_python([sys.executable, str(script), str(images)], cwd=tmp_path, timeout=500)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     r = json.loads(proc.stdout.split("RESULT ", 1)[1])
     for workers in (0, 2):  # in the loading thread, and in DataLoader worker processes

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from conftest import ROOT, run_process, script_env
+from conftest import ROOT, run_process, run_python, script_env
 
 AMP_SCRIPT = '''\
 import numpy as np
@@ -528,7 +528,7 @@ def test_a_ported_script_with_its_optimizer_made_before_the_move_trains(tmp_path
     # engine, started on the CPU alone, would have no queue for XLA), then the original
     jobs = [["order:1", str(ported), [], {}], ["order:cpu", str(src), [], {}]]
     (tmp_path / "driver.py").write_text(DRIVER)
-    proc = run_process([sys.executable, str(tmp_path / "driver.py"), json.dumps(jobs)],
+    proc = run_python([sys.executable, str(tmp_path / "driver.py"), json.dumps(jobs)],
                        cwd=tmp_path, timeout=300, env=script_env())
     assert proc.returncode == 0 and "=== end" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     losses = _losses(proc.stdout, {"order": (None, None, None, r"EPOCH \d+ LOSS (\S+)")})

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from conftest import ROOT, run_process, script_env
+from conftest import ROOT, run_process, run_python, script_env
 
 CORPUS = ROOT / "tests" / "port_corpus"
 
@@ -90,7 +90,7 @@ def _run_jobs(tmp_path, jobs, originals, shapes):
     {job: losses})."""
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
-    ported = run_process([sys.executable, str(driver), json.dumps(jobs)], cwd=tmp_path,
+    ported = run_python([sys.executable, str(driver), json.dumps(jobs)], cwd=tmp_path,
                          timeout=400, env=script_env())
     assert ported.returncode == 0 and "=== end" in ported.stdout, ported.stdout[-3000:] + ported.stderr[-3000:]
     # the originals, in a process without torch_xla: CPU torch as the CUDA script runs there
@@ -127,7 +127,7 @@ def test_a_top_level_script_runs_on_8_cores_as_port_wrote_it(tmp_path):
     """The GAN as a user runs it: `python gan_top_level_tpu.py` (spawned replicas, which
     import the script again), with the checkpoints it writes readable by plain torch."""
     _, text = _ported(tmp_path, "gan_top_level")
-    proc = run_process([sys.executable, str(tmp_path / "gan_top_level_tpu.py"), "--batchSize", "32",
+    proc = run_python([sys.executable, str(tmp_path / "gan_top_level_tpu.py"), "--batchSize", "32",
                         "--niter", "2"], cwd=tmp_path, timeout=200, env=script_env())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count("Loss_D") == 2
