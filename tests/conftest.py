@@ -46,7 +46,7 @@ def processes() -> dict:
     return out
 
 
-# Pids of the processes the run keeps beside the tests: the zygote.
+# Pids of the processes the run keeps beside the tests: the zygote, the CPU burners.
 HELPERS = set()
 
 
@@ -69,7 +69,25 @@ def child_processes(pid=None):
     return out
 
 
+def pytest_addoption(parser):
+    parser.addoption("--burn-cpus", type=int, default=0, metavar="N",
+                     help="keep N processes spinning on the CPU for the whole run: the suite "
+                          "must pass on a busy machine too")
+
+
+BURN = """
+import os
+parent = os.getppid()
+while os.getppid() == parent:  # ends when the run that started it does, however it ends
+    for _ in range(1_000_000):
+        pass
+"""
+
+
 def pytest_configure(config):
+    if config.getoption("burn_cpus") and not hasattr(config, "workerinput"):  # once, not per xdist worker
+        config._burners = [subprocess.Popen([sys.executable, "-c", BURN]) for _ in range(config.getoption("burn_cpus"))]
+        HELPERS.update(p.pid for p in config._burners)
     # DeprecationWarnings from tpu_utility's own calls fail the run (deprecated torch_xla
     # calls included: torch_xla attributes them to the caller). Processes the tests start
     # get the same filter from tests/sitecustomize.py.
@@ -80,6 +98,12 @@ def pytest_configure(config):
     # child, the GC frozen around DataLoader workers under XLA).
     config.addinivalue_line("filterwarnings",
                             "ignore:This process .* is multi-threaded, use of fork:DeprecationWarning")
+
+
+def pytest_unconfigure(config):
+    for burner in getattr(config, "_burners", []):
+        burner.kill()
+        burner.wait()
 
 
 def script_env(**extra):
