@@ -33,6 +33,19 @@ sys.path.insert(0, str(ROOT / "examples"))  # the swap pair, cuda_train.py and t
 # torch is the CPU build, without triton and without that pool: match it, and save every
 # XLA test process two torch imports.
 os.environ.setdefault("TORCH_WARM_POOL", "0")
+# XLA:CPU stands in for the TPU here, and the tests count compiles, transfers and steps and
+# compare numbers; none of them times XLA:CPU's code. Its default compiler (LLVM at -O2,
+# through the MLIR fusion emitters, the module split for parallel codegen) was most of a
+# test script's CPU after the imports: test_fused_step's runs took 30 s of CPU past them,
+# 3-5 s with these flags, which change no count and no result a test asserts. The demo
+# (the README's main job) keeps XLA's defaults. Set for this process's XLA and every
+# process it starts; flags already in XLA_FLAGS come after these, and win.
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+                  " --xla_cpu_parallel_codegen_split_count=1")
+if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{TEST_XLA_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()
+
+
 def processes() -> dict:
     """{pid: (state, parent pid, process group)} of every process now, from /proc."""
     out = {}
