@@ -111,7 +111,7 @@ SPMD = """
                 "counts": out["counts"]}
 
     if __name__ == "__main__":
-        print("RESULT " + json.dumps(tu.run(first_batch_and_counts, cores=8)))
+        print("RESULT " + json.dumps(tu.run(first_batch_and_counts, cores=8, start_method="fork")))
 """
 
 

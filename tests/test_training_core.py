@@ -40,12 +40,16 @@ def test_eight_cores_spmd_matches_cpu_reference_over_global_batches(run_script):
                     "steps": len(loader), "spmd": xr.is_spmd(),
                     "devices": xr.global_runtime_device_count()}
 
-        if __name__ == "__main__":  # the default start method in a script is spawn
-            info = tu.run(probe, cores=8)
+        if __name__ == "__main__":
+            # Forked replicas first: once this process has run a backward pass (the CPU
+            # references), a forked replica's autograd fails on XLA (torch's engine keeps
+            # the parent's device count).
+            info = tu.run(probe, cores=8, start_method="fork")
+            # Plain SGD: its step scales with the gradient, which must be the global batch's mean.
+            sgd = tu.run(replica_fns.sgd_loop, cores=8, start_method="fork")
+            # The example as a script runs it: the default start method there is spawn.
             out = tu.run(tpu_train.train_fn, cores=8)
             ref = reference_train(global_batch=64 * 8)
-            # Plain SGD: its step scales with the gradient, which must be the global batch's mean.
-            sgd = tu.run(replica_fns.sgd_loop, cores=8)
             sgd_ref = reference_train(global_batch=64 * 8, lr=replica_fns.SGD_LR, sgd=True)
             print("RESULT", json.dumps(dict(info, diff=max_param_diff(out["state"], ref["state"]),
                 sgd_diff=max_param_diff(sgd["state"], sgd_ref["state"]),
