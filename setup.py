@@ -4,6 +4,7 @@ from setuptools import find_packages, setup
 
 TEST = [
     "pytest>=8",
+    "pytest-xdist>=3.5",  # the suite runs on 2 workers (-n 2): on 2 cores, 8 min instead of 13
     "nbclient>=0.10",  # the test-notebooks run in a real Jupyter kernel
     "nbformat>=5.10",
     "ipykernel>=6.29",
