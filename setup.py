@@ -16,11 +16,13 @@ TEST = [
 KAGGLE = [  # Kaggle's TPU image, Python 3.12 (Kaggle/docker-python tpu/, resolved 2026-03-16)
     "torch==2.8.0", "torch_xla==2.8.0", "torchvision==0.23.0",
     "numpy==2.4.3", "pillow==12.1.1",  # no fastprogress, no fastai
+    "transformers==5.3.0",  # unpinned in tpu/requirements.in: the newest on 2026-03-16
 ]
 COLAB = [  # Colab's TPU runtime, Python 3.13 (googlecolab/backend-info pip-freeze.tpu.txt)
     "torch==2.9.0", "torch_xla==2.9.0", "torchvision==0.24.0",
     "numpy==2.1.3", "pillow==12.3.0",
     "fastprogress==1.1.6", "fastcore==2.2.12", "python-fasthtml==0.14.11", "fastai==2.8.8",
+    "transformers==5.15.0", "tokenizers==0.22.2", "huggingface_hub==1.27.0", "safetensors==0.8.0",
 ]
 
 here = os.path.dirname(os.path.abspath(__file__))
@@ -67,8 +69,9 @@ setup(
         # The default development stack: torch_xla 2.9 on Python 3.10-3.13, fastprogress's
         # 1.0 line (the images cover 1.1 and none); torchvision for bench_augment's Kaggle
         # pipeline baseline (0.24.0 is torch 2.9.0's); build and twine make and check the
-        # wheel and sdist (.ci/wheel_check).
+        # wheel and sdist (.ci/wheel_check); transformers' last 4.x (the images ship 5.x).
         "dev": TEST + ["torch==2.9.0", "torch_xla==2.9.0", "torchvision==0.24.0",
-                       "fastprogress>=1.0.3,<1.1", "build>=1.2", "twine>=5"],
+                       "fastprogress>=1.0.3,<1.1", "build>=1.2", "twine>=5",
+                       "transformers==4.57.6"],
     },
 )

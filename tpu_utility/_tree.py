@@ -7,6 +7,7 @@ show it, counting a batch's samples. A leaf is anything else (or what `is_leaf` 
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 
@@ -31,7 +32,7 @@ def flatten(data: Any, *, is_leaf: Optional[Callable[[Any], bool]] = None,
     def walk(x):
         if is_leaf is not None and is_leaf(x):
             pass
-        elif isinstance(x, dict):
+        elif isinstance(x, Mapping):  # UserDicts too: transformers' BatchEncoding is one
             node = {"t": "dict", "k": list(x), "c": [walk(v) for v in x.values()]}
             return _typed(node, x, dict, plain)
         elif isinstance(x, (list, tuple)):

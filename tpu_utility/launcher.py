@@ -29,6 +29,7 @@ from .children import descendants, die_with_parent, kill
 from .compat import FUNCTIONALIZATION_ENV, functionalization_on, runtime_started
 from .checkpoint import on_cpu
 from .environment import in_notebook, setup_tpu, xla_version
+from .hf import masks_without_reads
 from .files import atomic_write
 from .preemption import Preempted, StopBoard, on_sigterm
 from .stall import DEFAULT_STALL_S, Heartbeats, Watch, check_stall_timeout, dump_on_signal, dump_path
@@ -158,7 +159,7 @@ def run_replicas(train_fn: Callable[..., Any], cores: int, args: Sequence[Any], 
                 f"XLA runtime (the XLA device was used outside run()), so train_fn would run "
                 f"here, as it is: restart the kernel and call run() before anything touches "
                 f"the device")
-        with replica.activate(replica.Replica(cls.in_caller(info, cores))):
+        with replica.activate(replica.Replica(cls.in_caller(info, cores))), masks_without_reads():
             return on_cpu(train_fn(*args))()
     forks = "fork" in cls.start_methods
     start_method = start_method or ("fork" if in_notebook() and forks else "spawn")
@@ -478,7 +479,7 @@ def _replica_main(launch: _Launch, beat, local_rank: int, engine) -> None:
     try:
         me = replica.Replica(engine, heartbeat=beat, board=launch.board,
                              stop_after=launch.check_steps)
-        with replica.activate(me):
+        with replica.activate(me), masks_without_reads():
             launch.stages.mark(local_rank, exits.IN_TRAIN_FN)
             try:
                 out = launch.train_fn(*launch.args)

@@ -6,22 +6,30 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Callable, Optional, Tuple
 
 from .._tree import batch_len
 from ..data import DeviceLoader, make_loader
+from ..hf import model_loss
 
 if TYPE_CHECKING:
     import torch
 
 
-def train_step(model, loss_fn: Callable, batch, *, batch_fn: Optional[Callable], autocast,
-               accum: int = 1) -> Tuple["torch.Tensor", int]:
+def train_step(model, loss_fn: Optional[Callable], batch, *, batch_fn: Optional[Callable], autocast,
+               accum: int = 1, who: str = "train_one_cycle") -> Tuple["torch.Tensor", int]:
     """Forward, loss and backward for one batch (the loss scaled by 1/accum for gradient
-    accumulation); returns the loss, detached, and the batch's sample count."""
-    inputs, target = split_batch(batch, batch_fn)
-    with autocast:
-        loss = loss_fn(forward(model, inputs), target)
+    accumulation); returns the loss, detached, and the batch's sample count. Without a
+    `loss_fn`, the model's own loss (a Hugging Face model's, from the batch's labels)."""
+    if loss_fn is None:
+        inputs = own_loss_inputs(batch, batch_fn, who)
+        with autocast:
+            loss = model_loss(forward(model, inputs), who)
+    else:
+        inputs, target = split_batch(batch, batch_fn)
+        with autocast:
+            loss = loss_fn(forward(model, inputs), target)
     (loss / accum if accum > 1 else loss).backward()
     return loss.detach(), batch_len(inputs)
 
@@ -65,10 +73,21 @@ def split_batch(batch, batch_fn=None, need_target: bool = True):
                      f"batch_fn=lambda batch: (inputs, target)")
 
 
+def own_loss_inputs(batch, batch_fn, who: str):
+    """The model's inputs, labels included, for a model that computes its own loss."""
+    inputs = batch if batch_fn is None else batch_fn(batch)[0]
+    if not isinstance(inputs, Mapping):
+        raise ValueError(f"{who}: without loss_fn the model computes its own loss from a dict "
+                         f"batch holding its labels (model(**batch).loss), but the batch is a "
+                         f"{type(inputs).__name__}: pass loss_fn=, e.g. "
+                         f"torch.nn.functional.cross_entropy")
+    return inputs
+
+
 def forward(model, inputs):
     if isinstance(inputs, tuple):
         return model(*inputs)
-    if isinstance(inputs, dict):
+    if isinstance(inputs, Mapping):
         return model(**inputs)
     return model(inputs)
 

@@ -10,7 +10,8 @@ from ..checks import check_int
 from ..data import DeviceLoader
 from ..devices import get_device, sync, to_cpu
 from ..replica import current
-from .batch import as_loader, check_model_device, forward, per_sample_loss, split_batch
+from ..hf import is_model_output, logits_and_labels, masks_without_reads, model_loss
+from .batch import as_loader, check_model_device, forward, own_loss_inputs, per_sample_loss, split_batch
 
 
 def accuracy(output, target):
@@ -33,10 +34,16 @@ def evaluate(model, loader, loss_fn, metrics, batch_fn, autocast) -> list:
     sums, count = engine.zeros(1 + len(metrics)), engine.zeros(())
     with torch.no_grad():
         for batch, real in loader:
-            inputs, target = split_batch(batch, batch_fn)
-            with autocast:
-                output = forward(model, inputs)
-                losses = per_sample_loss(loss_fn, output, target)
+            if loss_fn is None:  # the model's own loss is its batch's mean: each sample gets it
+                with autocast:
+                    output = forward(model, own_loss_inputs(batch, batch_fn, "evaluation"))
+                    losses = model_loss(output, "evaluation").expand(len(real))
+                output, target = logits_and_labels(output, batch)
+            else:
+                inputs, target = split_batch(batch, batch_fn)
+                with autocast:
+                    output = forward(model, inputs)
+                    losses = per_sample_loss(loss_fn, output, target)
             real = real.to(losses.dtype)
             values = [losses.float()] + [m(output, target).float().reshape(-1) for m in metrics]
             sums += torch.stack([(v * real).sum() for v in values])
@@ -73,7 +80,7 @@ def predict(model, data, *, batch_size: Optional[int] = None, batch_fn: Optional
             precision: str = "fp32"):
     """The model's outputs for a whole dataset, in dataset order, on CPU: a tensor, or
     what the model returns (a dict, list or tuple of tensors) with each tensor's rows
-    joined.
+    joined. A Hugging Face model's output gives its logits.
 
     `data` is a Dataset, DataLoader or `make_loader` loader; `batch_size` is per core.
     Every sample appears once, at any number of cores: evaluation batches are padded
@@ -104,11 +111,14 @@ def predict(model, data, *, batch_size: Optional[int] = None, batch_fn: Optional
     model.eval()
     outputs = []
     try:
-        with torch.no_grad():
+        with torch.no_grad(), masks_without_reads():
             for batch, _ in loader:
                 inputs, _target = split_batch(batch, batch_fn, need_target=False)
                 with autocast:
-                    outputs.append(map_tensors(forward(model, inputs), torch.Tensor.detach))
+                    output = forward(model, inputs)
+                if is_model_output(output) and "logits" in output:  # a Hugging Face model's
+                    output = output["logits"]
+                outputs.append(map_tensors(output, torch.Tensor.detach))
     finally:
         model.train(training)
     return to_cpu(gather(_concatenated(outputs), n, who="predict"))

@@ -21,6 +21,7 @@ from ..compat import xla_counts
 from ..devices import get_device, is_master, optimizer_step, sync, to_cpu
 from ..replica import current
 from ..files import atomic_write, check_writable
+from ..hf import masks_without_reads
 from ..launcher import must_isolate, run_isolated
 from ..plots import plot_lines
 from ..schedules import no_special_scalar, sched_exp
@@ -73,7 +74,7 @@ class _Sweep:
         return sched_exp(self.start_lr, self.end_lr, pos)
 
 
-def lr_find(model, train_loader, opt, loss_fn: Callable, start_lr: float = 1e-7,
+def lr_find(model, train_loader, opt, loss_fn: Optional[Callable] = None, start_lr: float = 1e-7,
             end_lr: float = 10.0, num_it: int = 300, *, check_every: int = 10,
             stop_div: bool = True, beta: float = 0.98, suggest: Sequence[str] = SUGGESTIONS,
             batch_fn: Optional[Callable] = None, precision: str = "fp32",
@@ -95,7 +96,8 @@ def lr_find(model, train_loader, opt, loss_fn: Callable, start_lr: float = 1e-7,
     gets the same result.
 
     Args:
-        model, train_loader, opt, loss_fn: what train_one_cycle takes; the optimizer is
+        model, train_loader, opt, loss_fn: what train_one_cycle takes (loss_fn None: the
+            model's own loss, a Hugging Face model's from its labels); the optimizer is
             made after `model.to(device)` (or model and optimizer both on the CPU: the
             sweep then moves copies).
         start_lr, end_lr: the sweep's range, exponential.
@@ -189,7 +191,8 @@ def _sweep_in_place(model, loader, opt, loss_fn, s: _Sweep) -> LRFindResult:
     opt_state = copy.deepcopy(opt.state_dict())
     was_training = model.training
     try:
-        losses = _Sweeper(model, opt, loss_fn, s).losses(loader)
+        with masks_without_reads():
+            losses = _Sweeper(model, opt, loss_fn, s).losses(loader)
     finally:
         model.load_state_dict(model_state)
         opt.load_state_dict(opt_state)
@@ -238,7 +241,7 @@ class _Sweeper:
         self.hypers.set(i / s.num_it)
         self.opt.zero_grad()
         loss, _ = train_step(self.model, self.loss_fn, batch, batch_fn=s.batch_fn,
-                             autocast=self.autocast)
+                             autocast=self.autocast, who="lr_find")
         optimizer_step(self.opt)
         (loss,) = engine.all_reduce_sum([loss.float() / engine.replicas])
         self.raw.append(loss)

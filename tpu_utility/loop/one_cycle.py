@@ -20,6 +20,7 @@ from ..compat import xla_counts
 from ..devices import is_master, optimizer_step
 from ..replica import current
 from ..files import check_writable
+from ..hf import masks_without_reads
 from ..plots import plot_history
 from ..progress import EpochTable
 from ..schedules import check_one_cycle, one_cycle
@@ -31,7 +32,8 @@ from .state import EpochStats, History, LossGuard, Position
 
 
 def train_one_cycle(
-        model, train_loader, opt, loss_fn: Callable, epochs: int, max_lr: Optional[float] = None, *,
+        model, train_loader, opt, loss_fn: Optional[Callable] = None, epochs: Optional[int] = None,
+        max_lr: Optional[float] = None, *,
         valid_loader=None, metrics: Sequence[Callable] = (), pct_start: float = 0.25, div: float = 25.0,
         div_final: float = 1e5, moms: Optional[Sequence[float]] = (0.95, 0.85, 0.95), grad_accum: int = 1,
         clip: Optional[float] = None, precision: str = "fp32", log_every: Optional[int] = 50,
@@ -46,6 +48,11 @@ def train_one_cycle(
     optimizer's lr.
 
     Args:
+        loss_fn: `loss_fn(output, target)`. None: the model computes its own loss, as a
+            Hugging Face model does from a dict batch holding its `labels`
+            (`model(**batch).loss`); metrics then receive its logits and the labels, and
+            `train_one_cycle(model, loader, opt, epochs)` reads the 4th argument as epochs.
+        epochs: passes over train_loader.
         valid_loader, metrics: evaluated after every epoch. Metrics take (output, target)
             and return one value per sample; they are averaged over the validation set on
             the device, over every replica, without the samples that padding repeats.
@@ -82,9 +89,15 @@ def train_one_cycle(
         >>> len(hist.epochs)
         2
     """
+    if isinstance(loss_fn, int) and not isinstance(loss_fn, bool):  # (model, loader, opt, epochs[, max_lr])
+        if max_lr is not None:
+            raise TypeError(f"train_one_cycle: loss_fn={loss_fn!r} is not a loss function; without "
+                            f"one, pass train_one_cycle(model, loader, opt, epochs, max_lr)")
+        loss_fn, epochs, max_lr = None, loss_fn, epochs
     o = _Options.check(locals())  # every refusal that needs no device, before any work
     run = _Run.build(model, train_loader, opt, loss_fn, o)
-    with Resume.open(o.checkpoint, run) as resume:  # holds the path until the run ends
+    # holds the path until the run ends; transformers' masks without a host read per step
+    with Resume.open(o.checkpoint, run) as resume, masks_without_reads():
         if resume.finished:  # a re-run cell: the trained weights, no training
             return resume.final()
         # The optimizer's lr and momentum come back as they were: a second call starts afresh.
@@ -158,7 +171,7 @@ class _Run:
 
     model: Any
     opt: Any
-    loss_fn: Callable
+    loss_fn: Optional[Callable]
     o: _Options
     train: Any
     valid: Any

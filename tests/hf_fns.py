@@ -1,0 +1,111 @@
+"""Hugging Face models made from configs (nothing downloaded) and a bag-of-words text task."""
+import torch
+
+VOCAB, LENGTH = 64, 15
+
+
+def make_texts(n, seed):
+    """Token ids and labels: 1 where the text has more tokens from the lower half of the
+    vocabulary than from the upper (no ties: an odd length)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, VOCAB, (n, LENGTH), generator=g)
+    labels = ((ids < (VOCAB + 4) // 2).sum(1) > LENGTH // 2).long()
+    return ids, labels
+
+
+class Texts(torch.utils.data.Dataset):
+    def __init__(self, n, seed):
+        self.ids, self.labels = make_texts(n, seed)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "attention_mask": torch.ones(LENGTH, dtype=torch.long),
+                "labels": self.labels[i]}
+
+
+def make_bert():
+    from transformers import BertConfig, BertForSequenceClassification
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=32, num_labels=2,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return BertForSequenceClassification(cfg)
+
+
+def hf_loop(epochs=3, batch_size=16, n=4096):
+    """The loop HF users write, with tu's swaps: dict batches, out.loss, a warmup schedule,
+    the epoch's loss read once. Returns per-epoch counts and the trained weights."""
+    import tpu_utility as tu
+    from tpu_utility.compat import xla_counts
+    from transformers import get_linear_schedule_with_warmup
+    device = tu.get_device()
+    model = make_bert().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    loader = tu.make_loader(Texts(n, 0), batch_size, num_workers=0)
+    sched = get_linear_schedule_with_warmup(opt, len(loader) // 4, epochs * len(loader))
+    counts, losses = [], []
+    for epoch in range(epochs):
+        before = xla_counts()
+        total = torch.zeros((), device=device)
+        for batch in loader:
+            out = model(**batch)
+            out.loss.backward()
+            tu.optimizer_step(opt)
+            sched.step()
+            opt.zero_grad()
+            total += out.loss.detach()
+        losses.append(total.item() / len(loader))
+        after = xla_counts()
+        counts.append({k: after[k] - before[k] for k in ("compiles", "transfers")})
+    return {"counts": counts, "losses": losses, "state": model.state_dict()}
+
+
+def one_cycle_fn(cores_batch=16, epochs=2, n=1024, n_valid=256):
+    """train_one_cycle(model, loader, opt, epochs) on a BERT with no loss function, then
+    predict and an lr_find sweep with none either."""
+    import tpu_utility as tu
+    device = tu.get_device()
+    model = make_bert().to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    hist = tu.train_one_cycle(model, tu.make_loader(Texts(n, 0), cores_batch, num_workers=0), opt,
+                              epochs, 3e-3, valid_loader=tu.make_loader(Texts(n_valid, 1), cores_batch),
+                              metrics=[tu.accuracy], progress=False)
+    logits = tu.predict(model, Texts(n_valid, 1), batch_size=cores_batch)
+    sweep = tu.lr_find(model, tu.make_loader(Texts(n, 0), cores_batch, num_workers=0), opt, num_it=30)
+    return {"valid_loss": [e.valid_loss for e in hist.epochs],
+            "accuracy": [e.metrics["accuracy"] for e in hist.epochs],
+            "transfers": [e.transfers for e in hist.epochs],
+            "logits": logits, "sweep": sweep.raw_losses, "state": model.state_dict()}
+
+
+def reference_one_cycle(epochs, global_batch, max_lr, n=1024, n_valid=256, seed=0):
+    """The same training in plain CPU torch: Adam under the closed-form one-cycle schedule,
+    the batches in make_loader's order, the model's own loss."""
+    from reference import one_cycle_lr, one_cycle_mom
+    ids, labels = make_texts(n, 0)
+    vids, vlabels = make_texts(n_valid, 1)
+    model = make_bert()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    steps = n // global_batch
+    total, k, valid_loss, accuracy = epochs * steps, 0, [], []
+    for epoch in range(epochs):
+        model.train()
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+        for s in range(steps):
+            idx = order[s * global_batch:(s + 1) * global_batch]
+            for g in opt.param_groups:
+                g["lr"], g["betas"] = one_cycle_lr(max_lr, k / total), (one_cycle_mom(k / total), 0.999)
+            opt.zero_grad()
+            model(input_ids=ids[idx], labels=labels[idx]).loss.backward()
+            opt.step()
+            k += 1
+        model.eval()
+        with torch.no_grad():
+            out = model(input_ids=vids, labels=vlabels)
+        valid_loss.append(out.loss.item())
+        accuracy.append((out.logits.argmax(1) == vlabels).float().mean().item())
+    with torch.no_grad():
+        logits = model(input_ids=vids).logits
+    return {"valid_loss": valid_loss, "accuracy": accuracy, "logits": logits, "state": model.state_dict()}
