@@ -67,8 +67,9 @@ def test_train_one_cycle_predict_and_lr_find_take_an_hf_model_without_a_loss(run
         from reference import max_param_diff
 
         if __name__ == "__main__":
-            out = tu.run(hf_fns.one_cycle_fn, cores={cores})
-            ref = hf_fns.reference_one_cycle(epochs=2, global_batch=16 * {cores}, max_lr=3e-3)
+            # One global batch of 128 at both sizes: 8 steps an epoch, the same reference.
+            out = tu.run(hf_fns.one_cycle_fn, cores={cores}, args=(128 // {cores},))
+            ref = hf_fns.reference_one_cycle(epochs=2, global_batch=128, max_lr=3e-3)
             print("RESULT", json.dumps({{
                 "valid_loss": out["valid_loss"], "ref_valid_loss": ref["valid_loss"],
                 "accuracy": out["accuracy"], "ref_accuracy": ref["accuracy"],
