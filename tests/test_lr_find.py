@@ -63,9 +63,11 @@ NOTEBOOK_SCRIPT = """
     from reference import reference_train, max_param_diff
 
     # A notebook: model and optimizer made on CPU at the top level, lr_find, then 8 cores.
+    # AdamW, as HF users make it: torch 2.8+ keeps Adam's decoupled_weight_decay among its
+    # defaults, which its constructor refuses (lr_find rebuilds it on the moved model).
     torch.manual_seed(0)
     model = make_model()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     start = {k: v.clone() for k, v in model.state_dict().items()}
     res = tu.lr_find(model, tu.make_loader(make_dataset(), 32), opt, F.cross_entropy,
                      plot="lr_find.png", start_method="fork")

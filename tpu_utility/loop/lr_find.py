@@ -178,9 +178,19 @@ def _sweep_moved(model, loader, opt, loss_fn, s: _Sweep) -> LRFindResult:
     moved = dict(zip(map(id, before), model.parameters()))
     groups = [{**{k: v for k, v in g.items() if k != "params"},
                "params": [moved[id(p)] for p in g["params"]]} for g in opt.param_groups]
-    new_opt = type(opt)(groups, **opt.defaults)
+    new_opt = type(opt)(groups, **_accepted(type(opt), opt.defaults))
     new_opt.load_state_dict(opt.state_dict())
     return _sweep_in_place(model, loader, new_opt, loss_fn, s)
+
+
+def _accepted(cls, defaults: dict) -> dict:
+    """The defaults `cls`'s constructor takes: torch 2.8's AdamW keeps Adam's
+    `decoupled_weight_decay` in its defaults, and refuses it as an argument."""
+    import inspect
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(defaults)
+    return {k: v for k, v in defaults.items() if k in params}
 
 
 def _sweep_in_place(model, loader, opt, loss_fn, s: _Sweep) -> LRFindResult:
