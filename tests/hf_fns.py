@@ -109,3 +109,98 @@ def reference_one_cycle(epochs, global_batch, max_lr, n=1024, n_valid=256, seed=
     with torch.no_grad():
         logits = model(input_ids=vids).logits
     return {"valid_loss": valid_loss, "accuracy": accuracy, "logits": logits, "state": model.state_dict()}
+
+
+# Ragged text: samples of different lengths, padded per batch by DataCollatorWithPadding.
+MAX_RAGGED = 44
+
+
+def make_tokenizer(padding_side="right"):
+    """A word-level fast tokenizer over VOCAB ids, made in memory: [PAD] is 0."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="[UNK]")),
+                                   pad_token="[PAD]", unk_token="[UNK]", padding_side=padding_side,
+                                   model_max_length=40)
+
+
+class RaggedTexts(torch.utils.data.Dataset):
+    """Lists of token ids from 4 to MAX_RAGGED long, most short (u ** 3): a batch's longest
+    row varies widely from batch to batch. The label is the bag-of-words rule."""
+
+    def __init__(self, n, seed):
+        g = torch.Generator().manual_seed(seed)
+        lengths = (4 + (MAX_RAGGED - 3) * torch.rand(n, generator=g) ** 3).long().clamp(max=MAX_RAGGED)
+        self.rows = [torch.randint(4, VOCAB, (int(k),), generator=g).tolist() for k in lengths]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        ids = self.rows[i]
+        low = sum(t < (VOCAB + 4) // 2 for t in ids)
+        return {"input_ids": ids, "labels": int(2 * low > len(ids))}
+
+
+def make_ragged_bert():
+    from transformers import BertConfig, BertForSequenceClassification
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=64, num_labels=2,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0)
+    return BertForSequenceClassification(cfg)
+
+
+def ragged_loop(epochs=3, batch_size=2, n=256, buckets=None):
+    """The HF loop over ragged text, DataCollatorWithPadding as the collate: per-epoch
+    compiles and every step's loss (read once an epoch)."""
+    import tpu_utility as tu
+    from tpu_utility.compat import xla_counts
+    from transformers import DataCollatorWithPadding, get_linear_schedule_with_warmup
+    device = tu.get_device()
+    model = make_ragged_bert().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    loader = tu.make_loader(RaggedTexts(n, 0), batch_size, num_workers=0, buckets=buckets,
+                            collate_fn=DataCollatorWithPadding(make_tokenizer()))
+    sched = get_linear_schedule_with_warmup(opt, 4, epochs * len(loader))
+    compiles, losses, lengths = [], [], set()
+    for epoch in range(epochs):
+        before = xla_counts()["compiles"]
+        step_losses = []
+        for batch in loader:
+            lengths.add(batch["input_ids"].shape[1])
+            out = model(**batch)
+            out.loss.backward()
+            tu.optimizer_step(opt)
+            sched.step()
+            opt.zero_grad()
+            step_losses.append(out.loss.detach())
+        losses += torch.stack(step_losses).cpu().tolist()
+        compiles.append(xla_counts()["compiles"] - before)
+    return {"compiles": compiles, "losses": losses, "lengths": sorted(lengths)}
+
+
+def reference_ragged(epochs=3, global_batch=16, n=256, seed=0):
+    """The same loop in plain CPU torch, each batch padded exactly to its longest row, in
+    make_loader's order: per-step losses, and each batch's length."""
+    from transformers import DataCollatorWithPadding, get_linear_schedule_with_warmup
+    data, collate = RaggedTexts(n, 0), DataCollatorWithPadding(make_tokenizer())
+    model = make_ragged_bert()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    steps = n // global_batch
+    sched = get_linear_schedule_with_warmup(opt, 4, epochs * steps)
+    losses, lengths = [], []
+    for epoch in range(epochs):
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        for s in range(steps):
+            batch = collate([data[i] for i in order[s * global_batch:(s + 1) * global_batch]])
+            lengths.append(batch["input_ids"].shape[1])
+            out = model(**batch)
+            out.loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            losses.append(out.loss.item())
+    return {"losses": losses, "lengths": lengths}

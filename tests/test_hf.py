@@ -19,7 +19,7 @@ def test_the_hf_loop_at_8_devices_reads_the_host_once_per_epoch_and_learns(run_s
         import tpu_utility as tu, hf_fns
 
         if __name__ == "__main__":
-            out = tu.run(hf_fns.hf_loop, cores=8)
+            out = tu.run(hf_fns.hf_loop, cores=8, start_method="fork")
             model = hf_fns.make_bert()
             model.load_state_dict(out["state"])
             ids, labels = hf_fns.make_texts(1000, 1)
@@ -68,7 +68,7 @@ def test_train_one_cycle_predict_and_lr_find_take_an_hf_model_without_a_loss(run
 
         if __name__ == "__main__":
             # One global batch of 128 at both sizes: 8 steps an epoch, the same reference.
-            out = tu.run(hf_fns.one_cycle_fn, cores={cores}, args=(128 // {cores},))
+            out = tu.run(hf_fns.one_cycle_fn, cores={cores}, args=(128 // {cores},), start_method="fork")
             ref = hf_fns.reference_one_cycle(epochs=2, global_batch=128, max_lr=3e-3)
             print("RESULT", json.dumps({{
                 "valid_loss": out["valid_loss"], "ref_valid_loss": ref["valid_loss"],
@@ -85,3 +85,52 @@ def test_train_one_cycle_predict_and_lr_find_take_an_hf_model_without_a_loss(run
     assert r["logits"] < 1e-4, r
     assert r["transfers"][-1] <= 2, r  # the epoch's one read (and the first step's log)
     assert len(r["sweep"]) >= 10 and all(math.isfinite(x) for x in r["sweep"]), r
+
+
+def test_ragged_text_at_8_devices_compiles_a_few_times_and_equals_exact_padding(run_script):
+    # DataCollatorWithPadding pads each batch to its longest row; make_loader pads further
+    # to a bucket. The reference pads exactly, on CPU torch, in make_loader's order.
+    r = run_script("""
+        import json
+        import tpu_utility as tu, hf_fns
+
+        if __name__ == "__main__":
+            out = tu.run(hf_fns.ragged_loop, cores=8, start_method="fork")
+            ref = hf_fns.reference_ragged()
+            print("RESULT", json.dumps({"out": out, "ref": ref}))
+    """, timeout=300).result
+    out, ref = r["out"], r["ref"]
+    assert len(set(ref["lengths"])) > 8, ref  # exact padding: more shapes than compiles allowed
+    assert set(out["lengths"]) <= {16, 24, 32, 40, 48}, out  # 40: the tokenizer's limit
+    assert sum(out["compiles"]) <= 8 and out["compiles"][2] == 0, out
+    assert len(out["losses"]) == len(ref["losses"]) == 48
+    assert max(abs(a - b) for a, b in zip(out["losses"], ref["losses"])) < 1e-5, r
+
+
+def test_metrics_get_the_labels_batch_fn_gave_the_model():
+    # Tuple batches made into the model's dict by batch_fn: the labels the metrics see are
+    # the ones in that dict (the batch itself holds none by name).
+    import torch
+    import torch.nn as nn
+    import tpu_utility as tu
+    from tpu_utility.engines.local import Local
+    from tpu_utility.replica import Replica, activate
+
+    class Scorer(nn.Module):  # predicts class 1 for every sample, its own loss
+        def __init__(self):
+            super().__init__()
+            self.bias = nn.Parameter(torch.tensor([0.0, 1.0]))
+
+        def forward(self, x, labels):
+            logits = self.bias.expand(len(x), 2) + 0 * x.sum(1, keepdim=True)
+            return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+    x, y = torch.randn(32, 3), (torch.arange(32) % 4 == 0).long()  # a quarter are class 1
+    data = torch.utils.data.TensorDataset(x, y)
+    with activate(Replica(Local())):
+        model = Scorer()
+        hist = tu.train_one_cycle(model, tu.make_loader(data, 8, num_workers=0), torch.optim.SGD(model.parameters(), lr=0.0),
+                                  1, 1e-9, valid_loader=tu.make_loader(data, 8, train=False, num_workers=0),
+                                  metrics=[tu.accuracy], progress=False,
+                                  batch_fn=lambda b: ({"x": b[0], "labels": b[1]}, None))
+    assert hist.epochs[0].metrics["accuracy"] == pytest.approx(0.25)

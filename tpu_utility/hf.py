@@ -111,14 +111,15 @@ def is_model_output(output) -> bool:
                for c in type(output).__mro__)
 
 
-def logits_and_labels(output, batch):
+def logits_and_labels(output, inputs):
     """What metrics receive for a model that computes its own loss: its logits (or its
-    first output that is not the loss) and the batch's labels."""
+    first output that is not the loss) and the labels among its inputs (the dict it was
+    called with: the batch, or what batch_fn made of it)."""
     if isinstance(output, Mapping):
         logits = output.get("logits")
         if logits is None:
             logits = next(v for k, v in output.items() if k != "loss")
     else:
         logits = output.logits
-    labels = batch.get("labels", batch.get("label")) if isinstance(batch, Mapping) else None
+    labels = inputs.get("labels", inputs.get("label")) if isinstance(inputs, Mapping) else None
     return logits, labels

@@ -70,10 +70,10 @@ def report(history=None, *, verbose: bool = True) -> XlaReport:
                     sharded_reads=max(0, sharded_reads),
                     scaler_steps=counters.get("xla::_amp_update_scale_", 0))
     try:
-        sites, loaders, waits = caller_code(sys._getframe(1))
+        sites, loaders, waits, shapes = caller_code(sys._getframe(1))
     except Exception:  # a diagnostic never fails the run it reports on
-        sites, loaders, waits = [], [], []
-    rep.hints = hints(rep, history, sites, loaders, waits)
+        sites, loaders, waits, shapes = [], [], [], []
+    rep.hints = hints(rep, history, sites, loaders, waits, shapes)
     rep.engine = _engine_line()
     if verbose:
         from .devices import master_print
@@ -93,10 +93,12 @@ def _engine_line() -> str:
     return engines.describe(type(engine), info, engine.world_size)
 
 
-def caller_code(frame) -> Tuple[List[Tuple[str, str, str]], List[Tuple[str, int, int]], list]:
+def caller_code(frame) -> Tuple[List[Tuple[str, str, str]], List[Tuple[str, int, int]], list,
+                                List[Tuple[str, List[tuple]]]]:
     """What report() can see of its caller: the costly calls in its source (kind, where,
     code), its training loaders that end epochs with a short batch (name, rows, batch),
-    and its training loaders' last epochs' input waits.
+    its training loaders' last epochs' input waits, and its loaders whose batches came
+    in several shapes (name, shapes).
 
     The source read is the calling function's and that of the module's functions it calls
     (by name, transitively: a `train_one_epoch` helper), from linecache, which holds
@@ -130,15 +132,23 @@ def caller_code(frame) -> Tuple[List[Tuple[str, str, str]], List[Tuple[str, int,
             continue
         where = os.path.basename(code.co_filename)
         sites += [(kind, f"{where}:{first + line - 1}", text) for kind, line, text in found]
-    loaders, waits = [], []
+    loaders, waits, shapes = [], [], []
     for name, value in {**frame.f_globals, **frame.f_locals}.items():
+        if isinstance(value, DeviceLoader) and len(value.batch_shapes) > 1:
+            shapes.append((name, value.batch_shapes))
         if isinstance(value, DeviceLoader) and value.shuffle:
             rows = value.last_batch_rows()
             if rows:
                 loaders.append((name, rows, value.batch_size))
             if value.input_wait is not None:
                 waits.append(value.input_wait)
-    return sites, loaders, waits
+    return sites, loaders, waits, shapes
+
+
+def _shown(shapes: List[tuple]) -> str:
+    """A few of a loader's batch shapes by their first leaf that has one: "[37], [41], ..."."""
+    firsts = [str(list(next((leaf for leaf in shape if leaf), ()))) for shape in shapes[:3]]
+    return ", ".join(firsts) + (", ..." if len(shapes) > 3 else "")
 
 
 def _at(sites, kind: str) -> str:
@@ -146,11 +156,12 @@ def _at(sites, kind: str) -> str:
     return f" at {', '.join(places)}" if places else ""
 
 
-def hints(rep: XlaReport, history=None, sites=(), loaders=(), waits=()) -> List[str]:
+def hints(rep: XlaReport, history=None, sites=(), loaders=(), waits=(), shapes=()) -> List[str]:
     """One-line advice for the patterns that make TPU runs slow, naming the lines of
     `sites` ((kind, where, code) from `caller_code`) that cause them, the input
     pipeline's measured wait and the device's wait on Python (the History's last epoch,
-    else the loader epoch of `waits` that waited most)."""
+    else the loader epoch of `waits` that waited most), and the loader whose batches
+    change shape (`shapes`) when compiles keep coming."""
     out = []
     wait = getattr(history, "input", None) or max(waits, key=lambda w: w.share, default=None)
     if wait is not None and worth_a_hint(wait):
@@ -168,10 +179,19 @@ def hints(rep: XlaReport, history=None, sites=(), loaders=(), waits=()) -> List[
     epochs = list(getattr(history, "epochs", None) or [])
     later = [e.compiles for e in epochs[1:]]
     graphs = rep.compiles - rep.sharded_reads  # the reads' compiles get their own hint
-    if later and all(c > 0 for c in later) and sum(later) > rep.sharded_reads:
+    growing = bool(later) and all(c > 0 for c in later) and sum(later) > rep.sharded_reads
+    churning = not epochs and graphs >= 10 and graphs * 4 > rep.executions
+    name, many = max(shapes, key=lambda s: len(s[1]), default=(None, []))
+    if (growing or churning) and len(many) > 2:
+        out.append(f"{graphs} compiles: the loader `{name}` gave batches of {len(many)} shapes "
+                   f"(per sample {_shown(many)}), and XLA compiles the step for each: text padded to each "
+                   f"batch's longest row? make_loader pads dict batches with an attention_mask "
+                   f"to a few lengths (buckets=True where the collate tokenizes itself), or pad "
+                   f"every sample to one max_length")
+    elif growing:
         out.append("compiles kept growing after the first epoch: dynamic shapes? use "
                    "drop_last=True (make_loader's default for training) and fixed-size inputs")
-    elif not epochs and graphs >= 10 and graphs * 4 > rep.executions:
+    elif churning:
         out.append(f"{graphs} compiles for {rep.executions} executions: graphs keep "
                    f"changing; dynamic shapes (drop_last=True), or Python ints/0.0/1.0 fed "
                    f"into the step?")

@@ -4,13 +4,15 @@
 a `DeviceLoader` (loader.py), which keeps per replica (epochs.py) the torch DataLoader
 that pipeline.py builds and loading.py loads through. dataloader.py mirrors what torch's
 DataLoader takes and draws; policy.py decides seeding and workers for a dataset;
-transform.py is all the loader knows of augmentation (`DeviceTransform`).
+transform.py is all the loader knows of augmentation (`DeviceTransform`); buckets.py pads
+ragged text to a few lengths.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
 from ..checks import check_int
+from .buckets import Buckets
 from .dataloader import Draws, dataloader_draws, sampled
 from .loader import DeviceLoader
 from .padded import PaddedDataset
@@ -31,7 +33,8 @@ def make_loader(data=None, batch_size: Optional[int] = None, shuffle: Optional[b
                 persistent_workers: bool = False, pin_memory_device: str = "",
                 in_order: bool = True, dataset=None, train: bool = True, seed: int = 0,
                 pad: bool = False, skip_errors: bool = False,
-                augment: Optional[DeviceTransform] = None, **loader_kwargs: Any) -> DeviceLoader:
+                augment: Optional[DeviceTransform] = None, buckets: Buckets = None,
+                **loader_kwargs: Any) -> DeviceLoader:
     """The swap for `DataLoader(dataset, batch_size, shuffle=True)`.
 
     `batch_size` is per core, as in every TPU tutorial. `train=True` means shuffle and
@@ -68,6 +71,17 @@ def make_loader(data=None, batch_size: Optional[int] = None, shuffle: Optional[b
     `augment=tu.aug_transforms(...)` augments every training batch afresh on the device
     (each sample its own parameters, drawn on the device; uint8 images upload as uint8);
     with `train=False` only its deterministic part runs (float, size, normalisation).
+
+    Text padded per batch (`collate_fn=DataCollatorWithPadding(tokenizer)`, or any collate
+    that pads dict samples of different lengths to the batch's longest) is padded further,
+    on the right, to the next of a few lengths (16, 24, 32, 48, 64, 96, 128, ...; never
+    past the collate's `tokenizer.model_max_length`): XLA compiles the step once per
+    length, not once per batch. The `attention_mask` keeps the padding out of the outputs
+    and the loss; `input_ids` get the tokenizer's pad token and other per-token tensors
+    what the collate padded them with (`labels`: -100). `buckets=True` pads every dict
+    batch with a 2-D `attention_mask` (a collate that tokenizes text itself), a list such
+    as `[128, 256, 512]` gives the lengths, `buckets=False` leaves batches as collated.
+    Samples already padded to one length are left as they are.
 
     The loader times how long its loop waits for each batch: `loader.input_wait` (and
     train_one_cycle's `EpochStats.input_wait`, `report()`'s hint) say whether the device
@@ -147,6 +161,7 @@ def make_loader(data=None, batch_size: Optional[int] = None, shuffle: Optional[b
     out = DeviceLoader(LoaderSpec(  # it checks batch_size, pad and augment: padded() alike
         read, batch_size, train=train, shuffle=shuffle, drop_last=drop_last, pad=pad, seed=seed,
         skip_errors=skip_errors, num_workers=num_workers, worker_options=worker_options,
-        loader_kwargs=loader_kwargs, pin_memory=bool(pin_memory), draws=draws, augment=augment))
+        loader_kwargs=loader_kwargs, pin_memory=bool(pin_memory), draws=draws, augment=augment,
+        buckets=buckets))
     len(out)  # too few samples for one batch: say so now, not at the first epoch
     return out

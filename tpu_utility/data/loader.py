@@ -82,6 +82,7 @@ class DeviceLoader:
     pin_memory = _from_spec("pin_memory")
     draws = _from_spec("draws")
     augment = _from_spec("augment")
+    buckets = _from_spec("buckets")
 
     def padded(self, batch_size: Optional[int] = None) -> "DeviceLoader":
         """This loader for evaluation: in order, every sample kept, every batch on every
@@ -139,6 +140,15 @@ class DeviceLoader:
         with self._lock:  # not built for a replica that never iterated it
             state = self._replicas.get(engine)
         return state.input_wait if state is not None else None
+
+    @property
+    def batch_shapes(self) -> List[tuple]:
+        """The distinct shapes of the calling replica's batches so far (each leaf's shape
+        less the batch dimension): more than one makes XLA compile the step for each."""
+        engine = current().engine
+        with self._lock:
+            state = self._replicas.get(engine)
+        return sorted(state.guard.shapes) if state is not None else []
 
     def __len__(self) -> int:
         return len(self.loader)

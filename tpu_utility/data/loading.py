@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 from ..rng import seeded
+from .buckets import Bucketed, Buckets, padded_to_bucket
 from .transform import DeviceTransform
 
 
@@ -130,20 +131,26 @@ class Loaded:
 class Collate:
     """Collates as `collate_fn` would, and carries along what travels with the batch (from
     a worker, another process): the skipped samples' records, and the samples' keys,
-    which go to the device with it as `(batch, keys)`. A batch that does not collate
+    which go to the device with it as `(batch, keys)`. A padded loader's samples come as
+    `(sample, valid)`: `collate_fn` collates the samples, and the batch is `(batch, valid)`.
+    Ragged text is padded to a bucket length (buckets.py). A batch that does not collate
     because its samples differ is named by the dataset indices of two that differ."""
 
-    def __init__(self, collate_fn):
-        self.collate_fn = collate_fn
+    def __init__(self, collate_fn, padded: bool = False, buckets: Buckets = None):
+        self.collate_fn, self.padded, self.buckets = collate_fn, padded, buckets
 
     def __call__(self, samples):
+        import torch
         from torch.utils.data import default_collate
-        keys, loaded = None, None
+        keys, loaded, valid = None, None, None
         if isinstance(samples, Loaded):
             loaded, samples, keys = samples, samples.samples, samples.keys
         skipped = [s.skipped for s in samples if isinstance(s, _Replaced)]
         if skipped:
             samples = [s.sample if isinstance(s, _Replaced) else s for s in samples]
+        if self.padded:  # (sample, valid) pairs: the user's collate gets their samples alone
+            valid = torch.tensor([v for _, v in samples])
+            samples = [s for s, _ in samples]
         try:
             batch = (self.collate_fn or default_collate)(samples)
         except Exception as e:
@@ -152,8 +159,15 @@ class Collate:
             if differ is None:
                 raise
             raise TypeError(differ) from e
+        fills, where = None, ()
+        if self.buckets is not False:
+            batch, fills = padded_to_bucket(batch, samples, self.buckets, self.collate_fn)
+        if valid is not None:
+            batch, where = (batch, valid), (0,) + where
         if keys is not None:
-            batch = (batch, keys)
+            batch, where = (batch, keys), (0,) + where
+        if fills:
+            batch = Bucketed(batch, where, fills)
         return WithSkips(batch, skipped) if skipped else batch
 
 

@@ -11,6 +11,7 @@ import threading
 from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 from .dataloader import forks, pins
+from .buckets import Bucketed, Settle
 from .loading import Collate, Loading, WithSkips
 from .padded import PaddedDataset
 from .policy import default_workers, draws_no_randomness
@@ -64,7 +65,7 @@ def build(spec: "LoaderSpec", engine) -> Any:
         kwargs["pin_memory"] = True
     # Always: it unpacks what Loading hands over (the samples with their indices, which a
     # batch that fails to collate is named by).
-    kwargs["collate_fn"] = Collate(kwargs.get("collate_fn"))
+    kwargs["collate_fn"] = Collate(kwargs.get("collate_fn"), spec.pad, spec.buckets)
     if workers > 0:
         kwargs["worker_init_fn"] = _WorkerInit(kwargs.get("worker_init_fn"))
     # Its own generator: starting an epoch draws a seed, and that must not come from
@@ -86,13 +87,23 @@ class Guard:
     """The torch DataLoader, iterated where the engine's feed iterates it: keeps the
     exception that ends an epoch, and the samples skipped, for the training thread."""
 
+    # Enough to tell one shape from many; a pathological loader stops adding here.
+    MAX_SHAPES = 64
+
     def __init__(self, loader):
         self.loader = loader
-        self.reset()
-
-    def reset(self) -> None:
+        self.shapes: set = set()  # batch shapes seen, over every epoch, less the batch dimension
+        self.settle = Settle()  # the bucket lengths of ragged text met in the first epoch
+        self.epochs = 0  # begun
         self.error: Optional[BaseException] = None
         self.skipped: List[Tuple[int, str]] = []
+
+    def reset(self) -> None:
+        """A new epoch."""
+        self.error: Optional[BaseException] = None
+        self.skipped: List[Tuple[int, str]] = []
+        self.settle.first_epoch = self.epochs == 0
+        self.epochs += 1
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -103,12 +114,23 @@ class Guard:
                 if isinstance(batch, WithSkips):
                     self.skipped += batch.skipped
                     batch = batch.batch
+                if isinstance(batch, Bucketed):
+                    batch = self.settle(batch)
                 if batch is None:  # else XLA's feed thread dies on it, naming nothing
                     raise TypeError("make_loader: the collate_fn returned None for a batch: "
                                     "return the collated batch from it")
+                if len(self.shapes) < self.MAX_SHAPES:
+                    self.shapes.add(_shape(batch))
                 yield batch
         except Exception as e:  # not GeneratorExit: the consumer stopping early is no error
             self.error = e
+
+
+def _shape(batch) -> tuple:
+    """The tensor shapes of a batch without their first dimension (the short last batch has
+    its own hint): what makes XLA compile the step again when it changes."""
+    from .._tree import flatten
+    return tuple(tuple(leaf.shape[1:]) for leaf in flatten(batch)[1] if hasattr(leaf, "shape"))
 
 
 class _WorkerInit:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from ..checks import check_int
+from .buckets import Buckets, check_buckets
 from .transform import DeviceTransform, check_transform
 
 if TYPE_CHECKING:
@@ -52,6 +53,9 @@ class LoaderSpec:
         pin_memory: whether batches are pinned, where torch has an accelerator to pin for.
         draws: what each epoch draws from torch's generators, as a DataLoader would.
         augment: a `DeviceTransform` (what `tu.aug_transforms(...)` returns), or None.
+        buckets: how dict batches with an attention mask are padded further (buckets.py):
+            None pads ragged text to the default lengths, True every such batch, False
+            none; a tuple gives the lengths.
     """
 
     dataset: Any
@@ -68,6 +72,7 @@ class LoaderSpec:
     pin_memory: bool = False
     draws: Optional[Draws] = None
     augment: Optional[DeviceTransform] = None
+    buckets: Buckets = None
 
     def __post_init__(self) -> None:
         # Here rather than in make_loader alone: padded() and replace() make specs too.
@@ -81,6 +86,7 @@ class LoaderSpec:
                              "drop_last=False")
         if self.augment is not None:
             check_transform(self.augment)
+        object.__setattr__(self, "buckets", check_buckets(self.buckets))  # a list: a tuple
 
     @property
     def keyed(self) -> bool:

@@ -35,10 +35,11 @@ def evaluate(model, loader, loss_fn, metrics, batch_fn, autocast) -> list:
     with torch.no_grad():
         for batch, real in loader:
             if loss_fn is None:  # the model's own loss is its batch's mean: each sample gets it
+                inputs = own_loss_inputs(batch, batch_fn, "evaluation")
                 with autocast:
-                    output = forward(model, own_loss_inputs(batch, batch_fn, "evaluation"))
+                    output = forward(model, inputs)
                     losses = model_loss(output, "evaluation").expand(len(real))
-                output, target = logits_and_labels(output, batch)
+                output, target = logits_and_labels(output, inputs)  # the labels it was given
             else:
                 inputs, target = split_batch(batch, batch_fn)
                 with autocast:
