@@ -501,6 +501,122 @@ def train(model, args, train_ds):
         out = data.view(args.batch_size, -1)
     grid = torch.randn(args.batch_size, 20)
 ''', notes=('loaders.batch-shape',)),
+    Case('accelerate.import', '''\
+from accelerate import Accelerator
+import torch
+
+
+def main():
+    accelerator = Accelerator()
+    accelerator.print("hello")
+''', '''\
+import torch
+
+
+def main():
+    tu.master_print("hello")
+'''),
+    Case('accelerate.accelerator', '''\
+from accelerate import Accelerator
+
+
+def main(model, optimizer, loader):
+    accelerator = Accelerator(gradient_accumulation_steps=4)
+    for batch in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**batch).loss)
+''', '''\
+from accelerate import Accelerator
+
+
+def main(model, optimizer, loader):
+    accelerator = Accelerator(gradient_accumulation_steps=4)
+    for batch in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**batch).loss)
+''', notes=('accelerate.accelerator',)),
+    Case('accelerate.prepare', '''\
+def main():
+    accelerator = Accelerator()
+    if name:
+        model = AutoModelForSequenceClassification.from_pretrained(name, num_labels=2)
+    else:
+        model = AutoModelForSequenceClassification.from_config(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5)
+    model, optimizer, train_dl, sched = accelerator.prepare(model, optimizer, train_dl, sched)
+    for batch in train_dl:
+        accelerator.backward(model(**batch).loss / 2)
+        optimizer.step()
+''', '''\
+def main():
+    if name:
+        model = AutoModelForSequenceClassification.from_pretrained(name, num_labels=2)
+        model.to(tu.get_device())
+    else:
+        model = AutoModelForSequenceClassification.from_config(config)
+        model.to(tu.get_device())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5)
+    for batch in train_dl:
+        (model(**batch).loss / 2).backward()
+        tu.optimizer_step(optimizer)
+'''),
+    Case('accelerate.gone', '''\
+def main(model):
+    accelerator = Accelerator(log_with="all")
+    accelerator.init_trackers("run")
+    accelerator.log({"loss": 1.0}, step=3)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return model
+''', '''\
+def main(model):
+    return model
+'''),
+    Case('accelerate.call', '''\
+def evaluate(model, loader):
+    accelerator = Accelerator()
+    seen = 0
+    for batch in loader:
+        with accelerator.autocast():
+            logits = model(**batch).logits
+        preds, refs = accelerator.gather_for_metrics((logits.argmax(-1), batch["labels"]))
+        seen += refs.shape[0]
+    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+    accelerator.save(accelerator.unwrap_model(model).state_dict(), "model.pt")
+''', '''\
+def evaluate(model, loader):
+    seen = 0
+    for batch in loader:
+        with tu.autocast():
+            logits = model(**batch).logits
+        preds, refs = (logits.argmax(-1), batch["labels"])
+        seen += refs.shape[0]
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    tu.save(model.state_dict(), "model.pt")
+''', notes=('accelerate.call',)),
+    Case('accelerate.attribute', '''\
+def main(model):
+    accelerator = Accelerator()
+    x = torch.zeros(3, device=accelerator.device)
+    if accelerator.is_main_process and accelerator.sync_gradients:
+        print(accelerator.num_processes, accelerator.process_index)
+''', '''\
+def main(model):
+    x = torch.zeros(3, device=tu.get_device())
+    if tu.is_master() and True:
+        print(tu.world_size(), tu.rank())
+'''),
+    Case('io.save-pretrained', '''\
+def main(model, tokenizer, out):
+    model.train()
+    tokenizer.save_pretrained(out)
+    model.save_pretrained(out, safe_serialization=True)
+''', '''\
+def main(model, tokenizer, out):
+    model.train()
+    tokenizer.save_pretrained(out)
+    model.save_pretrained(out, safe_serialization=True, state_dict=tu.to_cpu(model.state_dict()))
+'''),
 ]
 
 
@@ -555,6 +671,25 @@ def test_no_port_module_over_300_lines_and_no_class_over_150():
                 assert node.end_lineno - node.lineno + 1 <= 150, (path, node.name)
         # no module reaches into another's private names
         assert not re.search(r"^from \.+[\w.]* import .*\b_[a-z]", text, re.M), path
+
+
+def test_an_item_read_once_an_epoch_is_not_called_a_read_every_step():
+    # the epoch loop holds the step loop, so it holds a backward() too: only the loop whose
+    # own body steps is the step loop
+    result = port_source(textwrap.dedent('''\
+        def fit(model, opt, loader, epochs):
+            for epoch in range(epochs):
+                total = 0.0
+                for batch in loader:
+                    loss = model(**batch).loss
+                    loss.backward()
+                    opt.step()
+                    total += loss.detach()
+                    print(loss.item())
+                print(epoch, total.item() / len(loader))
+        '''))
+    reads = [(line, text) for line, text in result.todo if "every step" in text]
+    assert [line for line, _ in reads] == [9], result.todo
 
 
 def test_a_written_shuffle_decides_beside_kwargs():

@@ -7,9 +7,9 @@ would be a dependency for what a few dozen lines do. Only swaps that cannot chan
 the script computes are made; everything else is listed with its line and the fix.
 
 The files: cli.py (the command, `port(path)`), project.py (a script with the local modules
-it imports), notebook.py, pipeline.py (`port_source`), facts.py (what a script says, which
-`report()` asks too), edits.py, notes.py, wrap.py (a script's top-level training into a
-function), and rules/, one table of rules by concern.
+it imports), notebook.py, magics.py (a cell's IPython lines), pipeline.py (`port_source`),
+facts.py (what a script says, which `report()` asks too), edits.py, notes.py, wrap.py (a
+script's top-level training into a function), and rules/, one table of rules by concern.
 """
 from .cli import main, port
 from .pipeline import PortResult, port_source

@@ -10,7 +10,7 @@ import sys
 from typing import List
 
 from ..files import atomic_write
-from .facts import mask_magics
+from .magics import mask_magics
 from .notebook import add_import, code_lines, port_notebook
 from .pipeline import PortResult
 from .project import port_project

@@ -9,6 +9,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Set, Tuple
 
+from .magics import mask_magics
+
 LOOPS = (ast.For, ast.AsyncFor, ast.While)
 # Every spelling of torch's GradScaler seen in scripts: `port` swaps each for tu.GradScaler
 # and `report()` names each as the cause of the scaler's per-step host reads.
@@ -34,6 +36,9 @@ class ModuleFacts:
     tree: ast.AST
     loops: List[ast.AST] = field(default_factory=list)
     backward_loops: List[ast.AST] = field(default_factory=list)  # they call .backward()
+    # the loops of training steps: their own body, outside loops nested in it, runs
+    # backward() or the optimizer step (an epoch loop around them is a backward loop only)
+    step_loops: List[ast.AST] = field(default_factory=list)
     other_loops: List[ast.AST] = field(default_factory=list)
     ifs_in_loops: List[ast.If] = field(default_factory=list)  # in backward loops
     functions: Dict[str, ast.FunctionDef] = field(default_factory=dict)  # the tree's own
@@ -99,7 +104,23 @@ def module_facts(tree: ast.AST) -> ModuleFacts:
                           if isinstance(i, ast.If)]
     facts.functions = top_functions(tree)
     _assignments(tree, facts)
+    facts.step_loops = [n for n in facts.backward_loops if _steps_itself(n, facts.optimizers)]
     return facts
+
+
+def _steps_itself(loop, optimizers: Set[str]) -> bool:
+    """Whether `loop`'s body, outside the loops and functions nested in it, calls backward()
+    or an optimizer's step."""
+    todo = list(loop.body) + ([loop.test] if isinstance(loop, ast.While) else [])
+    while todo:
+        node = todo.pop()
+        if isinstance(node, LOOPS + (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.Call) and (method(node) == "backward" or dotted(node.func).endswith(
+                "optimizer_step") or method(node) == "step" and dotted(node.func.value) in optimizers):
+            return True
+        todo += list(ast.iter_child_nodes(node))
+    return False
 
 
 def _assignments(tree, facts: ModuleFacts) -> None:
@@ -240,61 +261,3 @@ def top_functions(tree) -> Dict[str, ast.FunctionDef]:
     """The functions a module (or any node with a body) defines at its top level."""
     body = getattr(tree, "body", None)  # a lambda's body is one expression, not a list
     return {s.name: s for s in body if isinstance(s, ast.FunctionDef)} if isinstance(body, list) else {}
-
-
-def mask_magics(source: str) -> str:
-    """A notebook cell's IPython lines (`!cmd`, `%magic`, `%%cell`) become `pass` lines ast
-    parses; every other line is left as it is.
-
-    A line is IPython syntax only where IPython reads it so: at the start of a statement,
-    so never inside brackets, a string or after a backslash continuation. A `% (a, b))`
-    that continues a `print("%.4f"` is Python's `%` operator. Source that Python parses
-    comes back unchanged.
-
-    Example:
-        >>> print(mask_magics("%matplotlib inline\\nprint('%d'\\n      % 3)\\n"), end="")
-        pass
-        print('%d'
-              % 3)
-    """
-    out = []
-    depth, quote, continued = 0, "", False  # brackets open, the string open, a trailing `\`
-    for line in re.findall(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+$", source):  # ast's line breaks
-        stripped = line.lstrip()
-        if not depth and not quote and not continued and stripped[:1] in ("!", "%"):
-            out.append(line[:len(line) - len(stripped)] + "pass" + ("\n" if line.endswith("\n") else ""))
-            continue
-        out.append(line)
-        depth, quote, continued = _scan(line, depth, quote)
-    return "".join(out)
-
-
-def _scan(line: str, depth: int, quote: str):
-    """(brackets open, string open, ends in a continuation) after `line`, from the state
-    before it: the little of Python's tokenizer that says where a statement may start."""
-    i, n = 0, len(line)
-    while i < n:
-        c = line[i]
-        if quote:
-            if c == "\\":
-                i += 2
-                continue
-            if line.startswith(quote, i):
-                i += len(quote)
-                quote = ""
-                continue
-        elif c == "#":
-            return depth, quote, False
-        elif c in "\"'":
-            quote = line[i:i + 3] if line[i:i + 3] in ('"""', "'''") else c
-            i += len(quote)
-            continue
-        elif c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth = max(0, depth - 1)
-        i += 1
-    body = line.rstrip("\r\n")
-    if quote in ("'", '"'):  # a one-line string goes on only after an escaped newline
-        return depth, quote if body.endswith("\\") else "", False
-    return depth, quote, not quote and body.endswith("\\")

@@ -14,7 +14,7 @@ import re
 from typing import List, Optional
 
 from .edits import split_lines
-from .facts import mask_magics
+from .magics import mask_magics
 from .pipeline import PortResult, port_source
 from .rules.structure import WRAP
 

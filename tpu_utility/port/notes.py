@@ -46,7 +46,7 @@ class Notes:
         if node.args:
             return
         facts, code = self.facts, self.edits.source(node)
-        if attr == "item" and facts.inside_loop(node, facts.backward_loops) and \
+        if attr == "item" and facts.inside_loop(node, facts.step_loops) and \
                 not facts.under_if_in_loop(node):  # under an `if`: a log point, not every step
             self.add(node.lineno, f"`{code}` reads the device every step (a host transfer): "
                      f"sum on the device and read once per epoch")

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 from .edits import apply, split_lines
-from .facts import mask_magics, module_facts
+from .facts import module_facts
+from .magics import mask_magics
 from .rules import Finder
 from .rules.structure import WRAP, training_functions, trains
 from .wrap import wrap_top_level

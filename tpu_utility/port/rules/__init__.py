@@ -8,13 +8,14 @@ import ast
 from typing import List
 
 from ..facts import ModuleFacts
-from . import amp_io, device, distributed, loaders, order, steps, structure
+from . import accelerate, amp_io, device, distributed, loaders, order, steps, structure
 from .rule import Context, Rule
 
 RULES: List[Rule] = [
     structure.WRAP,
     *device.RULES,
     *distributed.RULES,
+    *accelerate.RULES,
     *steps.CALL_RULES,
     *loaders.RULES,
     *amp_io.RULES,

@@ -17,7 +17,37 @@ def _autocast(ctx: Context, node) -> None:
         ctx.edits.replace(node, "tu.autocast()", "autocast -> tu.autocast (bf16 on TPU)")
 
 
+# methods only a model has among the things scripts call save_pretrained on (a tokenizer,
+# a config and a processor have save_pretrained too)
+_MODEL_METHODS = ("parameters", "named_parameters", "state_dict", "train", "eval", "to", "cuda")
+
+
+def _model_like(ctx: Context, name: str) -> bool:
+    """Whether the script uses `name` as a model, or binds it to one unwrapped."""
+    for node in ast.walk(ctx.facts.tree):
+        if isinstance(node, ast.Call) and method(node) in _MODEL_METHODS and \
+                dotted(node.func.value) == name:
+            return True
+        if isinstance(node, ast.Assign) and any(dotted(t) == name for t in node.targets) and \
+                isinstance(node.value, ast.Call) and method(node.value) == "unwrap_model":
+            return True
+    return False
+
+
+def _save_pretrained(ctx: Context, node) -> None:
+    model = ctx.edits.source(node.func.value)
+    ctx.edits.rewrite_call(node, ctx.edits.source(node.func), [],
+                           f"state_dict=tu.to_cpu({model}.state_dict())")
+    ctx.edits.swap(node.lineno, f"{model}.save_pretrained(...) -> with state_dict=tu.to_cpu(...): "
+                                f"safetensors cannot read XLA tensors")
+
+
 RULES = [
+    Rule("io.save-pretrained", "a model's `save_pretrained(dir)` gets `state_dict=tu.to_cpu("
+         "model.state_dict())`: safetensors cannot read XLA tensors", ast.Call,
+         lambda ctx, node: method(node) == "save_pretrained" and
+         not any(k.arg == "state_dict" for k in node.keywords) and
+         _model_like(ctx, dotted(node.func.value)), _save_pretrained),
     Rule("io.save", "torch.save becomes tu.save (the master writes, one host transfer)",
          ast.Call, called("torch.save"),
          lambda ctx, node: ctx.edits.replace(node.func, "tu.save", "torch.save -> tu.save "

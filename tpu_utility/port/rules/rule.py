@@ -29,6 +29,7 @@ class Context:
     train_fns: set = field(default_factory=set)
     scopes: List[ast.AST] = field(default_factory=list)
     depth: int = 0
+    memo: dict = field(default_factory=dict)  # what a rule found once for the whole module
 
     @classmethod
     def of(cls, lines: List[str], facts: ModuleFacts, **kw) -> "Context":
