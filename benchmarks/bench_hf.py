@@ -159,19 +159,17 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, default=3, help="the first is not timed (compiles)")
     p.add_argument("--batch-size", type=int, default=16, help="per core")
     p.add_argument("--cores", default="1,8")
-    p.add_argument("--samples", type=int, default=SAMPLES)
+    p.add_argument("--samples", type=int, default=4096)
     p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         variant, cores, batch_size, epochs = args.child
         return child(variant, int(cores), int(batch_size), int(epochs))
-    os.environ["BENCH_HF_SAMPLES"] = str(args.samples)
-    global SAMPLES
-    SAMPLES = args.samples
+    os.environ["BENCH_HF_SAMPLES"] = str(args.samples)  # for the children
     variants = ["hand-written", "tu"]
     for cores in [int(c) for c in args.cores.split(",")]:
         global_batch = args.batch_size * cores
-        timed = (SAMPLES // global_batch) * global_batch * (args.epochs - 1)
+        timed = (args.samples // global_batch) * global_batch * (args.epochs - 1)
         rates = {v: [] for v in variants}
         losses = {}
         for r in range(args.rounds):
