@@ -55,7 +55,11 @@ def _die_with_parent() -> None:
 
 def _child(request: dict, imports_set: dict) -> None:
     """In the forked child: become the script's process, as `python script.py` starts."""
+    import signal
     os.setsid()  # its own session and process group, as start_new_session=True gives
+    # Python's own Ctrl-C handler, as a fresh interpreter installs it: the zygote may have
+    # been started where SIGINT was ignored, and a fork would keep that
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.clear()
     os.environ.update(request["env"])
     os.environ.update(imports_set)
