@@ -40,7 +40,9 @@ SHAPES = {
     "inline_main": (["--bs", "64"], ["--bs", "64"], ["--bs", "8"], r"VALID (\S+)"),
     # a Hugging Face fine-tune without Trainer: DataCollatorWithPadding on ragged text, the
     # model's out.loss, a warmup schedule, from_pretrained beside from_config
-    "hf_no_trainer": (["--per_device_train_batch_size", "128"], ["--per_device_train_batch_size", "128"],
+    # (at 8 devices only: its compiles are the corpus's dearest, and 1 core adds nothing
+    # port-specific)
+    "hf_no_trainer": (["--per_device_train_batch_size", "128"], None,
                       ["--per_device_train_batch_size", "16"], r"LOSS (\S+) ACC (\S+)"),
 }
 # Scripts whose original needs a package the test stacks lack (accelerate): ported and
@@ -114,7 +116,7 @@ def test_ported_corpus_runs_at_1_and_8_cores_and_matches_the_cpu_original(tmp_pa
         assert "tu.run(" in text, name
         # the harness picks the cores and fork (one process serves every job); the rest
         # of the ported file runs as port wrote it
-        for tag, args, cores in (("1", one, 1), ("8", eight, 8)):
+        for tag, args, cores in (("1", one, 1), ("8", eight, 8))[1 if one is None else 0:]:
             path = tmp_path / f"{name}_tpu_{tag}.py"
             path.write_text(text.replace("cores=8", f"cores={cores}, start_method='fork'"))
             jobs.append([f"{name}:{tag}", str(path), *_split(args)])
@@ -129,7 +131,7 @@ def test_ported_corpus_runs_at_1_and_8_cores_and_matches_the_cpu_original(tmp_pa
     for name in SHAPES:
         reference = want[f"{name}:cpu"]
         assert len(reference) >= 3, (name, reference)
-        for tag in ("1", "8"):
+        for tag in ("1", "8") if SHAPES[name][1] is not None else ("8",):
             mine = got[f"{name}:{tag}"]
             worst = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(mine, reference)), default=0)
             print(f"{name} at {tag} core(s): {len(mine)} losses, largest relative difference {worst:.1e}")
