@@ -134,3 +134,69 @@ def test_metrics_get_the_labels_batch_fn_gave_the_model():
                                   metrics=[tu.accuracy], progress=False,
                                   batch_fn=lambda b: ({"x": b[0], "labels": b[1]}, None))
     assert hist.epochs[0].metrics["accuracy"] == pytest.approx(0.25)
+
+
+def test_report_names_the_line_that_reads_the_device_in_transformers_or_in_a_models_forward(run_script):
+    # Without an attention_mask, transformers looks for padding in input_ids every forward
+    # (warn_if_padding_and_no_attention_mask: `pad_token_id in input_ids[...]`), a host read
+    # in its code: GPT-2's forward asks in 4.57 and 5.x (BERT's no longer does in 5.x). A model's own forward with `if tensor:` is a read in the user's file that
+    # the source of train_fn does not show. The second step is watched: its graph is
+    # unchanged (steps 3 on compile nothing).
+    r = run_script("""
+        import json, torch
+        import tpu_utility as tu, hf_fns
+        from tpu_utility.compat import xla_counts
+
+        class NoMask(hf_fns.Texts):
+            def __getitem__(self, i):
+                return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(8, 2)
+
+            def forward(self, x):
+                h = self.lin(x)
+                if h.abs().sum() > 0:  # the model's own read
+                    h = h * 2
+                return h
+
+        def steps(model, loader, opt, loss_of):
+            compiles = []
+            for batch in loader:
+                compiles.append(xla_counts()["compiles"])  # the last step's, compiled by now
+                loss_of(model, batch).backward()
+                tu.optimizer_step(opt)
+                opt.zero_grad()
+            return [b - a for a, b in zip(compiles, compiles[1:])]
+
+        def hf():
+            from transformers import GPT2Config, GPT2ForSequenceClassification
+            cfg = GPT2Config(vocab_size=hf_fns.VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=32,
+                             num_labels=2, pad_token_id=0, bos_token_id=1, eos_token_id=1)
+            model = GPT2ForSequenceClassification(cfg).to(tu.get_device())
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            compiles = steps(model, tu.make_loader(NoMask(512, 0), 16, num_workers=0), opt,
+                             lambda m, b: m(**b).loss)
+            return {"hints": tu.report(verbose=False).hints, "compiles": compiles}
+
+        def own():
+            model = Net().to(tu.get_device())
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+            data = torch.utils.data.TensorDataset(torch.randn(512, 8), torch.randint(0, 2, (512,)))
+            steps(model, tu.make_loader(data, 16, num_workers=0), opt,
+                  lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]))
+            return tu.report(verbose=False).hints
+
+        if __name__ == "__main__":
+            print("RESULT", json.dumps({"hf": tu.run(hf, cores=1), "own": tu.run(own, cores=1)}))
+    """, timeout=300).result
+    hf, own = r["hf"], r["own"]
+    line = [h for h in hf["hints"] if "inside transformers, not in your code" in h]
+    assert len(line) == 1, hf
+    assert "modeling_utils.py:" in line[0] and "pad_token_id in input_ids" in line[0], line
+    assert "attention_mask" in line[0], line
+    assert not any(".item() or print" in h for h in hf["hints"]), hf  # not sent to their code
+    assert hf["compiles"][2:] == [0] * len(hf["compiles"][2:]), hf
+    assert any("h.abs().sum() > 0" in h and "script_0.py:" in h for h in own), own

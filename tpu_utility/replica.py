@@ -22,6 +22,7 @@ from .engines import Engine, outside_run
 from .host_bound import Span
 from .in_place import as_copies
 from .preemption import StopBoard
+from .reads import ReadWatch
 
 if TYPE_CHECKING:
     import torch
@@ -73,6 +74,7 @@ class Replica:
         self._checked_opts: "weakref.WeakSet" = weakref.WeakSet()
         # optimizer: [train_one_cycle's running loss on the device, zeroed by an epoch's end]
         self._running_losses: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self.reads = ReadWatch()  # the lines that read the device in the second step
 
     @property
     def owns_host_rng(self) -> bool:
@@ -168,6 +170,7 @@ class Replica:
                 closure = self._averaging(opt, closure)
             out = opt.step(self._cut_after(closure, opt), **step_kwargs)
         self.beat()
+        self.reads.after_step()
         if self.stop_after is not None:
             self._count_step(opt)
         return out
@@ -397,6 +400,7 @@ def activate(replica: Replica) -> Iterator[Replica]:
     try:
         yield replica
     finally:
+        replica.reads.close()  # train_fn may have ended inside the watched step
         _CURRENT.reset(token)
 
 

@@ -10,6 +10,7 @@ from typing import Dict, List, Tuple
 from .compat import functionalization_on, xla_counts
 from .host_bound import cure as host_cure, idle_share, worth_a_hint as host_bound
 from .input_wait import cure, worth_a_hint
+from .reads import library_reads, ours
 
 
 @dataclass
@@ -73,7 +74,8 @@ def report(history=None, *, verbose: bool = True) -> XlaReport:
         sites, loaders, waits, shapes = caller_code(sys._getframe(1))
     except Exception:  # a diagnostic never fails the run it reports on
         sites, loaders, waits, shapes = [], [], [], []
-    rep.hints = hints(rep, history, sites, loaders, waits, shapes)
+    from .replica import current
+    rep.hints = hints(rep, history, sites, loaders, waits, shapes, reads=current().reads.sites)
     rep.engine = _engine_line()
     if verbose:
         from .devices import master_print
@@ -156,13 +158,19 @@ def _at(sites, kind: str) -> str:
     return f" at {', '.join(places)}" if places else ""
 
 
-def hints(rep: XlaReport, history=None, sites=(), loaders=(), waits=(), shapes=()) -> List[str]:
+def hints(rep: XlaReport, history=None, sites=(), loaders=(), waits=(), shapes=(),
+          reads=()) -> List[str]:
     """One-line advice for the patterns that make TPU runs slow, naming the lines of
     `sites` ((kind, where, code) from `caller_code`) that cause them, the input
     pipeline's measured wait and the device's wait on Python (the History's last epoch,
-    else the loader epoch of `waits` that waited most), and the loader whose batches
-    change shape (`shapes`) when compiles keep coming."""
+    else the loader epoch of `waits` that waited most), the loader whose batches
+    change shape (`shapes`) when compiles keep coming, and the lines that read the
+    device in the watched step (`reads`, `reads.Site`), a library's named as such."""
     out = []
+    # reads seen in the user's own code (a model's forward: not in the source read above)
+    sites = list(sites) + [("item", r.where, r.code) for r in reads
+                           if not r.package and not ours(r)
+                           and ("item", r.where, r.code) not in sites]
     wait = getattr(history, "input", None) or max(waits, key=lambda w: w.share, default=None)
     if wait is not None and worth_a_hint(wait):
         from .data import default_workers
@@ -204,11 +212,14 @@ def hints(rep: XlaReport, history=None, sites=(), loaders=(), waits=(), shapes=(
         (rep.executions >= 20 and rep.transfers * 2 >= rep.executions)
     # .item() itself about once a step, even where other reads (torch.save) are more
     items_per_step = rep.item_reads >= steps if steps else rep.item_reads * 2 >= rep.executions
-    if per_step and rep.item_reads and (items_per_step or _at(sites, "item") or
-                                        rep.item_reads * 2 >= rep.transfers):
+    library = library_reads(reads) if per_step else []
+    out += library
+    own = not library or bool(_at(sites, "item"))  # a library's reads alone: none of the user's to move
+    if own and per_step and rep.item_reads and (items_per_step or _at(sites, "item") or
+                                                rep.item_reads * 2 >= rep.transfers):
         out.append(f"a host transfer every step: {rep.item_reads} .item() reads{_at(sites, 'item')}; "
                    f"keep sums on the device and read them once per epoch")
-    elif per_step:
+    elif own and per_step:
         out.append("a host transfer every step: .item() or print in the loop? keep sums on "
                    "the device and read them once per epoch")
     if rep.sharded_reads >= 2:
