@@ -86,13 +86,18 @@ def apart(a, b):
                for k in ("randn", "mask", "python", "numpy"))
 
 
+# timeout: a bound on a hang, not a speed: four spawned interpreters import torch (5-9 s
+# of CPU each) on 2 cores, and beside another suite that took over 60 s.
+HANG_S = 300
+
+
 def test_replicas_draw_apart_the_master_as_one_process_and_resume_exactly(tmp_path):
     tu.run(draws, cores=WORLD, args=(str(tmp_path),), engine="distributed", start_method="fork",
-           timeout=60)
+           timeout=HANG_S)
     first = [torch.load(tmp_path / f"draws-rank{r}.pt")["first"] for r in range(WORLD)]
     # Spawned: fresh interpreters, each with its own salt for Python's hash().
     tu.run(draws, cores=WORLD, args=(str(tmp_path), True), engine="distributed",
-           start_method="spawn", timeout=60)
+           start_method="spawn", timeout=HANG_S)
     again = [torch.load(tmp_path / f"draws-rank{r}.pt") for r in range(WORLD)]
     ref = reference_draws()
     for step in range(STEPS):
@@ -169,7 +174,7 @@ def halves(out_dir):
 
 def test_average_gradients_and_an_lbfgs_closure_match_one_process_on_the_whole_batch(tmp_path):
     tu.run(halves, cores=2, args=(str(tmp_path),), engine="distributed", start_method="fork",
-           timeout=60)
+           timeout=HANG_S)
     ranks = [torch.load(tmp_path / f"halves-rank{r}.pt") for r in range(2)]
     x, y = batch(16)
     torch.manual_seed(10)
