@@ -253,8 +253,12 @@ class _Zygote:
         err_path = os.path.join(self.folder, "stderr")
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.connect(self.address)
+            # a fresh interpreter keeps SIGINT ignored where its parent ignores it (pytest's
+            # workers do at times), and installs Python's handler otherwise: so does the fork
+            ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
             conn.sendall(json.dumps({"argv": [str(a) for a in args[1:]], "cwd": str(cwd), "env": env,
-                                     "stdout": out_path, "stderr": err_path}).encode() + b"\n")
+                                     "stdout": out_path, "stderr": err_path,
+                                     "sigint_ignored": ignored}).encode() + b"\n")
             answer = _Answers(conn)
             pid = (answer.next(60) or {}).get("pid")
             if pid is None:

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 def test_finetune_text_small_learns_and_stops_compiling(tmp_path):
     cmd = [sys.executable, str(ROOT / "examples" / "finetune_text.py"), "--reviews", "1000",
-           "--epochs", "4", "--lr", "3e-3", "--min-accuracy", "0.9"]
+           "--epochs", "3", "--lr", "3e-3", "--min-accuracy", "0.9"]
     proc = run_python(cmd, cwd=tmp_path, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     accuracy = float(re.search(r"validation accuracy \(predict on the (\d+) held-out reviews\): ([\d.]+)%",

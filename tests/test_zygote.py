@@ -38,8 +38,17 @@ def both(tmp_path, code, *args, **env):
             run_python(cmd, timeout=120, cwd=tmp_path, env=script_env(**env)))
 
 
-def test_a_forked_script_sees_what_a_fresh_one_sees(tmp_path):
-    fresh, forked = both(tmp_path, PROBE, "a", "--b", PROBE_VAR="here")
+@pytest.mark.parametrize("sigint", ["handled", "ignored"])
+def test_a_forked_script_sees_what_a_fresh_one_sees(tmp_path, sigint):
+    # A fresh interpreter keeps SIGINT ignored when the process that started it ignores it
+    # (pytest's workers do at times), and the zygote's state is that of its own start.
+    import signal
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN if sigint == "ignored"
+                             else signal.default_int_handler)
+    try:
+        fresh, forked = both(tmp_path, PROBE, "a", "--b", PROBE_VAR="here")
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert fresh.returncode == forked.returncode == 0, fresh.stderr + forked.stderr
     assert forked.stderr == fresh.stderr == ""
     seen, want = json.loads(forked.stdout), json.loads(fresh.stdout)

@@ -16,7 +16,8 @@ Run as `python zygote.py SOCKET`: once imported and listening it prints "ready" 
 JSON, the variables its imports set (torch_xla's `import` adds to XLA_FLAGS and sets a few
 defaults): a child's environment is the request's with those set as the import set them,
 which is what a fresh import does with that same environment. Each
-request is one JSON line on a new connection: {"argv", "cwd", "env", "stdout", "stderr"}
+request is one JSON line on a new connection: {"argv", "cwd", "env", "stdout", "stderr",
+"sigint_ignored"}
 (the last two are file paths). The answer is a JSON line {"pid"} as soon as the child
 exists, then {"status"} (as subprocess gives it: -N for a signal) once it has ended.
 The zygote ends with its parent (PR_SET_PDEATHSIG) or when the socket's parent closes it.
@@ -57,9 +58,11 @@ def _child(request: dict, imports_set: dict) -> None:
     """In the forked child: become the script's process, as `python script.py` starts."""
     import signal
     os.setsid()  # its own session and process group, as start_new_session=True gives
-    # Python's own Ctrl-C handler, as a fresh interpreter installs it: the zygote may have
-    # been started where SIGINT was ignored, and a fork would keep that
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # SIGINT as a fresh interpreter started by the client would have it: ignored if the
+    # client ignores it (exec keeps an ignored signal, and Python then leaves it), else
+    # Python's own Ctrl-C handler. The zygote's own state is whatever it was started with.
+    signal.signal(signal.SIGINT, signal.SIG_IGN if request.get("sigint_ignored")
+                  else signal.default_int_handler)
     os.environ.clear()
     os.environ.update(request["env"])
     os.environ.update(imports_set)
