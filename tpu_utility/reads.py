@@ -36,27 +36,27 @@ class Site(NamedTuple):
     line: int
     function: str
     code: str  # the line's text, stripped
-    call: str  # what read: "__contains__", "item", ...
+
+    def _installed(self) -> Optional[List[str]]:
+        """The path's parts below its last site-packages (dist-packages on Debian's
+        Python: Colab, Kaggle), or None for a file that is not in an installed package."""
+        parts = self.path.replace("\\", "/").split("/")
+        tops = [i for i, p in enumerate(parts[:-1]) if p in ("site-packages", "dist-packages")]
+        return parts[tops[-1] + 1:] if tops else None
 
     @property
     def package(self) -> Optional[str]:
         """The installed package the line is in ("transformers"), or None for the user's
         own code (a script, a notebook cell, a checkout)."""
-        parts = self.path.replace("\\", "/").split("/")
-        for i, part in enumerate(parts[:-1]):
-            if part in ("site-packages", "dist-packages"):
-                return parts[i + 1].split(".")[0]
-        return None
+        installed = self._installed()
+        return installed[0].split(".")[0] if installed else None
 
     @property
     def where(self) -> str:
-        """`modeling_utils.py:5702` for the user's file; `transformers/modeling_utils.py:5702`
-        inside a package."""
-        parts = self.path.replace("\\", "/").split("/")
-        if self.package:
-            start = max(i for i, p in enumerate(parts) if p in ("site-packages", "dist-packages")) + 1
-            return f"{'/'.join(parts[start:])}:{self.line}"
-        return f"{os.path.basename(self.path)}:{self.line}"
+        """`script.py:12` for the user's file; `transformers/modeling_utils.py:5702` inside
+        a package."""
+        installed = self._installed()
+        return f"{'/'.join(installed) if installed else os.path.basename(self.path)}:{self.line}"
 
 
 def _skipped_dirs() -> tuple:
@@ -122,8 +122,7 @@ class ReadWatch:
                     if frame is not None:
                         code = frame.f_code
                         site = Site(code.co_filename, frame.f_lineno, code.co_name,
-                                    linecache.getline(code.co_filename, frame.f_lineno).strip(),
-                                    func.__name__)
+                                    linecache.getline(code.co_filename, frame.f_lineno).strip())
                         if site not in sites:
                             sites.append(site)
                 return func(*args, **kwargs)
