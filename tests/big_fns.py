@@ -1,0 +1,104 @@
+"""train_fns for models bigger than one chip (issue 46): gradient checkpointing and tu.fsdp,
+on Hugging Face models made from configs and on a model of the user's own blocks."""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+import tpu_utility as tu
+
+VOCAB, SEQ = 512, 32
+
+
+def bert(dropout=0.1, layers=2):
+    """A BERT whose embeddings (512 x 64) and feed-forward weights (64 x 512) have 32768
+    elements each: the size tu.fsdp splits from."""
+    from transformers import BertConfig, BertForSequenceClassification
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=layers,
+                     num_attention_heads=4, intermediate_size=512, max_position_embeddings=SEQ,
+                     num_labels=2, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    return BertForSequenceClassification(cfg)
+
+
+class Texts(torch.utils.data.Dataset):
+    def __init__(self, n=128):
+        g = torch.Generator().manual_seed(3)
+        self.ids = torch.randint(1, VOCAB, (n, SEQ), generator=g)
+        self.labels = (self.ids[:, :4].sum(1) % 2).long()
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "attention_mask": torch.ones(SEQ, dtype=torch.long),
+                "labels": self.labels[i]}
+
+
+class Blocks(nn.Module):
+    """A user's own model: residual MLP blocks with dropout, each through
+    torch.utils.checkpoint.checkpoint when `reentrant` is True or False."""
+
+    def __init__(self, reentrant=None, width=64, depth=3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.reentrant = reentrant
+        self.embed = nn.Embedding(VOCAB, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, 512), nn.GELU(), nn.Dropout(0.1),
+                                                  nn.Linear(512, width)) for _ in range(depth))
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, input_ids, labels, attention_mask=None):
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            if self.reentrant is None:
+                x = x + block(x)
+            else:
+                x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.reentrant)
+        return F.cross_entropy(self.head(x.mean(1)), labels)
+
+
+def train(model="bert", *, checkpointing=False, split=False, steps=3, batch=16, bf16=False, save=None):
+    """`steps` AdamW steps through tu.optimizer_step; the losses, final weights, compiled
+    peak of this training's step, the memory per device, each parameter's split, report();
+    `save`: a path for tu.save(model.state_dict())."""
+    import torch_xla
+    from tpu_utility import fused_step, memory
+    from tpu_utility.compat import sharded
+    from tpu_utility.replica import current
+    device = tu.get_device()
+    net = (bert() if model == "bert" else Blocks(checkpointing if checkpointing != "hf" else None)).to(device)
+    if checkpointing == "hf":
+        net.gradient_checkpointing_enable()
+    if split:
+        tu.fsdp(net)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    loader = tu.make_loader(Texts(steps * batch * tu.world_size()), batch, num_workers=0)
+    torch_xla.manual_seed(7)
+    peaks_before = len(memory.compiled_peaks())
+    losses = []
+    for b in loader:
+        with torch.autocast("xla", dtype=torch.bfloat16, enabled=bf16):
+            out = net(**b)
+        loss = out.loss if hasattr(out, "loss") else out
+        loss.backward()
+        tu.optimizer_step(opt)
+        opt.zero_grad()
+        losses.append(loss.detach())
+        tu.sync()
+    peaks = memory.compiled_peaks()[peaks_before:]
+    if save:
+        tu.save(net.state_dict(), save)
+    result = {"report": str(tu.report(verbose=False)),"losses": [float(x) for x in tu.to_cpu(losses)],
+            "state": tu.to_cpu(net.state_dict()),
+            "peak": max(peaks) if peaks else None,
+            "memory": vars(current().memory).copy() if current().memory else None,
+            "split": {n: sharded(p) for n, p in net.named_parameters()},
+            "numel": {n: p.numel() for n, p in net.named_parameters()},
+            "state_split": [sharded(v) for s in opt.state.values() for v in s.values()
+                            if getattr(v, "dim", lambda: 0)() > 0]}
+    # The fused step (issue 39) on split tensors: it must step aside (False) for torch's.
+    out = net(**b)
+    (out.loss if hasattr(out, "loss") else out).backward()
+    result["fused_took_it"] = fused_step.step(opt, device)
+    return result

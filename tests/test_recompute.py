@@ -1,0 +1,55 @@
+"""Gradient checkpointing on XLA (issue 46): Hugging Face's gradient_checkpointing_enable()
+and torch.utils.checkpoint in a user's own model run inside `run`, give the results of the
+run without it (dropout included, over several steps), and the compiled program's peak
+falls (XLA's buffer assignment, as torch_xla reports it after each compile)."""
+import pytest
+import torch
+
+
+@pytest.mark.parametrize("cores", [1, 8])
+def test_checkpointing_equals_the_run_without_it_and_the_compiled_peak_falls(run_script, cores):
+    pytest.importorskip("transformers")
+    # transformers 4.x checkpoints with use_reentrant=True, 5.x with False: each stack runs
+    # its own default. At 8 devices, a user's own blocks through torch.utils.checkpoint too.
+    r = run_script(f"""
+        import functools, json, torch
+        import tpu_utility as tu, big_fns
+        from reference import max_param_diff
+
+        def compare(plain, ckpt):
+            return {{"losses": [plain["losses"], ckpt["losses"]], "peaks": [plain["peak"], ckpt["peak"]],
+                     "diff": max_param_diff(plain["state"], ckpt["state"])}}
+
+        if __name__ == "__main__":
+            go = lambda **kw: tu.run(functools.partial(big_fns.train, **kw), cores={cores}, start_method="fork")
+            out = {{"hf": compare(go(), go(checkpointing="hf"))}}
+            if {cores} == 8:
+                plain = go(model="blocks")
+                for reentrant in (True, False):
+                    out[str(reentrant)] = compare(plain, go(model="blocks", checkpointing=reentrant))
+            print("RESULT", json.dumps(out))
+    """, timeout=400).result
+    for name, c in r.items():
+        plain, ckpt = c["losses"]
+        assert len(plain) == 3 and max(abs(a - b) for a, b in zip(plain, ckpt)) < 1e-5, (name, c)
+        assert c["diff"] < 1e-5, (name, c)
+    hf = r["hf"]["peaks"]
+    assert hf[1] < hf[0], r  # the activations are recomputed, not kept
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointing_off_xla_is_torchs_own_after_install(reentrant):
+    from torch.utils.checkpoint import checkpoint
+
+    def grads():
+        torch.manual_seed(0)
+        block = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 4))
+        x = torch.randn(3, 4, requires_grad=True)
+        checkpoint(block, x, use_reentrant=reentrant).sum().backward()
+        return [p.grad.clone() for p in block.parameters()] + [x.grad.clone()]
+
+    before = grads()
+    from tpu_utility import recompute
+    recompute.install()
+    after = grads()
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
