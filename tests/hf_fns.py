@@ -62,12 +62,15 @@ def hf_loop(epochs=3, batch_size=16, n=4096):
     return {"counts": counts, "losses": losses, "state": model.state_dict()}
 
 
-def one_cycle_fn(cores_batch=16, epochs=2, n=1024, n_valid=256):
+def one_cycle_fn(cores_batch=16, epochs=2, n=1024, n_valid=256, split=False):
     """train_one_cycle(model, loader, opt, epochs) on a BERT with no loss function, then
-    predict and an lr_find sweep with none either."""
+    predict and an lr_find sweep with none either; `split`: its weights split over the
+    devices by tu.fsdp (this small BERT's largest hold 2048 elements)."""
     import tpu_utility as tu
     device = tu.get_device()
     model = make_bert().to(device)
+    if split:
+        tu.fsdp(model, min_elements=2048)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     hist = tu.train_one_cycle(model, tu.make_loader(Texts(n, 0), cores_batch, num_workers=0), opt,
                               epochs, 3e-3, valid_loader=tu.make_loader(Texts(n_valid, 1), cores_batch),

@@ -55,18 +55,20 @@ class Loss:
         return F.cross_entropy(out, y)
 
 
-def setup(workers=0):
+def setup(workers=0, split=False):
     torch.manual_seed(0)
     random.seed(0)
     np.random.seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 2))
     model = model.to(tu.get_device())
+    if split:  # tu.fsdp (issue 46): the first layer's 256 weights split over the devices
+        tu.fsdp(model, min_elements=256)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return model, opt, tu.make_loader(Augmented(), BATCH, num_workers=workers)
 
 
-def one_cycle(path, loss=None, epochs=2, checkpoint_every=None, workers=0, **kwargs):
-    model, opt, loader = setup(workers)
+def one_cycle(path, loss=None, epochs=2, checkpoint_every=None, workers=0, split=False, **kwargs):
+    model, opt, loader = setup(workers, split)
     counts = xla_counts()
     hist = tu.train_one_cycle(model, loader, opt, loss or Loss(), epochs, max_lr=1e-2,
                               valid_loader=tu.make_loader(Augmented(64), 8, train=False, num_workers=0),

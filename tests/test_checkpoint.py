@@ -40,18 +40,23 @@ XLA_SCRIPT = """
         return False
 
     out = {}
-    for cores, every, kill in ((1, 10, 100), (8, 3, 14)):
-        path = f"c{cores}.pt"
-        ref = go(rf.one_cycle, cores, None)
-        was_killed = killed(rf.one_cycle, cores, path, rf.Loss(kill_at=kill), 2, every)
-        t = torch.load(path, weights_only=False)["extra"]["train_one_cycle"]
-        res = go(rf.one_cycle, cores, path, None, 2, every)
-        out[cores] = {"killed": was_killed, "saved": [t["step"], t["batch"], t["complete"]],
-                      "diff": max_param_diff(ref["state"], res["state"]),
-                      "history_equal": ref["history"] == res["history"]}
-        if cores == 1:  # finished: a further call
+    # "8f": 8 SPMD devices with the weights split by tu.fsdp (issue 46)
+    for name, cores, every, kill, split in ((1, 1, 10, 100, False), (8, 8, 3, 14, False),
+                                            ("8f", 8, 3, 14, True)):
+        path = f"c{name}.pt"
+        ref = go(rf.one_cycle, cores, None, None, 2, None, 0, split)
+        was_killed = killed(rf.one_cycle, cores, path, rf.Loss(kill_at=kill), 2, every, 0, split)
+        saved = torch.load(path, weights_only=True)
+        t = saved["extra"]["train_one_cycle"]
+        res = go(rf.one_cycle, cores, path, None, 2, every, 0, split)
+        plain = rf.nn.Sequential(rf.nn.Linear(8, 32), rf.nn.ReLU(), rf.nn.Dropout(0.2), rf.nn.Linear(32, 2))
+        plain.load_state_dict(saved["model"])  # whole tensors, into a model on the CPU
+        out[name] = {"killed": was_killed, "saved": [t["step"], t["batch"], t["complete"]],
+                     "diff": max_param_diff(ref["state"], res["state"]),
+                     "history_equal": ref["history"] == res["history"]}
+        if name == 1:  # finished: a further call
             again = go(rf.one_cycle, cores, path, None, 2, every)
-            out[cores].update(again_compiles=again["compiles"],
+            out[name].update(again_compiles=again["compiles"],
                               again_diff=max_param_diff(res["state"], again["state"]),
                               again_history_equal=again["history"] == ref["history"])
     print("RESULT " + json.dumps(out))
@@ -61,13 +66,17 @@ XLA_SCRIPT = """
 def test_killed_runs_resume_to_the_uninterrupted_result_on_one_core_and_8_spmd_devices(run_script):
     out = run_script(XLA_SCRIPT, timeout=500).result
     print(out)
-    one, spmd = out["1"], out["8"]
+    one, spmd, split = out["1"], out["8"], out["8f"]
     # 1 core: killed in epoch 2 (64 steps an epoch), after the step-90 checkpoint.
     assert one["killed"] and one["saved"] == [90, 26, False]
     assert one["diff"] == 0.0 and one["history_equal"]
     # 8 SPMD devices (8 steps an epoch): killed at step 14, after the step-12 checkpoint.
     assert spmd["killed"] and spmd["saved"] == [12, 4, False]
     assert spmd["diff"] == 0.0 and spmd["history_equal"]
+    # The same with the weights split over the devices (tu.fsdp): its checkpoint holds whole
+    # tensors (it loaded into a plain CPU model above) and resumes bit-exact.
+    assert split["killed"] and split["saved"] == [12, 4, False]
+    assert split["diff"] == 0.0 and split["history_equal"]
     # A finished checkpoint: the History and the weights again, without compiling.
     assert one["again_compiles"] == 0 and one["again_diff"] == 0.0 and one["again_history_equal"]
 

@@ -59,8 +59,9 @@ def test_masks_are_built_only_inside_the_block_and_modules_loaded_inside_are_pat
     assert "_PatchOnImport" not in r["finders"], r
 
 
-@pytest.mark.parametrize("cores", [1, 8])
-def test_train_one_cycle_predict_and_lr_find_take_an_hf_model_without_a_loss(run_script, cores):
+@pytest.mark.parametrize("cores,split", [(1, False), (8, False), (8, True)])
+def test_train_one_cycle_predict_and_lr_find_take_an_hf_model_without_a_loss(run_script, cores, split):
+    # split: the weights split over the devices by tu.fsdp (issue 46), against the same reference
     r = run_script(f"""
         import json, torch
         import tpu_utility as tu, hf_fns
@@ -68,7 +69,8 @@ def test_train_one_cycle_predict_and_lr_find_take_an_hf_model_without_a_loss(run
 
         if __name__ == "__main__":
             # One global batch of 128 at both sizes: 8 steps an epoch, the same reference.
-            out = tu.run(hf_fns.one_cycle_fn, cores={cores}, args=(128 // {cores},), start_method="fork")
+            out = tu.run(hf_fns.one_cycle_fn, cores={cores}, args=(128 // {cores}, 2, 1024, 256, {split}),
+                         start_method="fork")
             ref = hf_fns.reference_one_cycle(epochs=2, global_batch=128, max_lr=3e-3)
             print("RESULT", json.dumps({{
                 "valid_loss": out["valid_loss"], "ref_valid_loss": ref["valid_loss"],

@@ -10,6 +10,7 @@ from .environment import doctor, setup_tpu
 from .cache import CachedDataset, cache_dataset, open_cache
 from .images import (ImageCsvDataset, ImageFolderDataset, PresizeReport, denormalize, normalize,
                      presize_images, show_batch)
+from .fsdp import fsdp
 from .functionalization import FunctionalizationCheck, check_functionalization
 from .launcher import ReplicasExited, run
 from .loop import accuracy, gather, lr_find, predict, train_one_cycle
@@ -24,4 +25,4 @@ __all__ = ["setup_tpu", "get_device", "optimizer_step", "make_loader", "scale_lr
            "open_cache", "CachedDataset", "show_batch", "normalize", "denormalize",
            "ReplicasExited", "autocast", "GradScaler", "gather", "save_state", "load_state",
            "Preempted", "Stalled", "to_cpu", "aug_transforms", "check_functionalization",
-           "FunctionalizationCheck", "has_accelerator", "all_reduce"]
+           "FunctionalizationCheck", "has_accelerator", "all_reduce", "fsdp"]

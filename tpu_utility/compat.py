@@ -266,3 +266,42 @@ def call_lowered(name: str, lowered: tuple, inputs: List) -> List:
     computation, slots = lowered
     args = [inputs[s] if isinstance(s, int) else s for s in slots]
     return torch_xla._XLAC._xla_user_computation(name, args, computation)
+
+
+def sharded(t) -> bool:
+    """Whether XLA tensor `t` is split over SPMD devices (not whole on each)."""
+    import torch_xla
+    return torch_xla._XLAC._get_xla_sharding_type(t) in (3, 5)  # TILED, PARTIAL
+
+
+def device_shape(t) -> tuple:
+    """The shape of the piece of `t` each device holds: its own for a tensor split over
+    SPMD devices (its sharding's tile counts, rounded up as XLA pads), else its shape."""
+    if t.device.type != "xla":
+        return tuple(t.shape)
+    import torch_xla
+    spec = torch_xla._XLAC._get_xla_sharding_spec(t)
+    tiles = re.match(r"\{devices=\[([\d,]+)\]", spec)
+    if not tiles:
+        return tuple(t.shape)
+    counts = [int(n) for n in tiles.group(1).split(",")]
+    return tuple(-(-d // n) for d, n in zip(t.shape, counts))
+
+
+def mark_sharding(t, op_sharding) -> None:
+    """Annotate `t` (data or a pending result) with `op_sharding` (`Mesh.get_op_sharding`):
+    the call `xs.mark_sharding` ends in, without rebuilding the sharding each time."""
+    import torch_xla
+    torch_xla._XLAC._xla_mark_sharding(t, op_sharding)
+
+
+def device_memory_limit(device) -> Optional[int]:
+    """The runtime's memory limit of `device` in bytes (a TPU's HBM), None where it gives
+    none (XLA:CPU raises)."""
+    import torch_xla.core.xla_model as xm
+    try:
+        info = xm.get_memory_info(device)
+    except Exception:  # XLA:CPU: "not implemented"
+        return None
+    limit = info.get("bytes_limit") if isinstance(info, dict) else None
+    return int(limit) if limit else None

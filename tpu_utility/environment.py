@@ -30,6 +30,8 @@ _TPU_CHIPS = {
     "0x006f": ("v6e", 1),
     "0x0076": ("v7x", 1),
 }
+# Memory per XLA device, GiB: a chip's HBM over its devices (v3: 16 GiB, 2 cores).
+_HBM_GIB = {"v3": 8, "v4": 32, "v5p": 95, "v5e": 16, "v6e": 32, "v7x": 192}
 _PJRT_DEVICES = ("CPU", "TPU", "CUDA", "GPU", "NEURON")
 # A CPU "host" emulates a v3-8 / v5e-8 so that cores=8 code paths run unchanged.
 CPU_DEFAULT_DEVICES = 8
@@ -126,6 +128,24 @@ def _accelerator_and_devices(chips: List[str], env: Mapping[str, str]):
     size = len(chips) * 2 if gen in ("v3", "v4", "v5p") else len(chips)
     name = {"v5e": "v5litepod", "v6e": "v6e", "v7x": "tpu7x"}.get(gen, gen)
     return env.get("TPU_ACCELERATOR_TYPE") or f"{name}-{size}", devices
+
+
+def device_memory_line(chips: List[str], devices: int, env: Mapping[str, str]) -> str:
+    """What one device holds, and what that means for full fine-tuning with AdamW (16 bytes
+    a parameter: weights, gradients, two moments; activations come on top)."""
+    from .memory import LIMIT_ENV, parse_size
+    if env.get(LIMIT_ENV):
+        gib, where = parse_size(env[LIMIT_ENV]) / 2 ** 30, f"{LIMIT_ENV}"
+    elif chips and chips[0] in _HBM_GIB:
+        gib, where = _HBM_GIB[chips[0]], f"HBM of {chips[0]}"
+    else:
+        return (f"no limit on XLA:CPU ({LIMIT_ENV}=16G checks a run against a v5e chip; "
+                f"report() shows a run's memory per device)")
+    one, split = gib * 2 ** 30 / 16 / 1e9, gib * 2 ** 30 * devices / 16 / 1e9
+    fits = (f"{one:.1f}B parameters replicated, {split:.1f}B split over {devices} with tu.fsdp"
+            if devices > 1 else f"{one:.1f}B parameters")
+    return (f"{gib:g} GiB per device ({where}): AdamW fine-tuning fits about {fits}, before "
+            f"activations; report() shows a run's memory per device")
 
 
 def pod_hosts(env: Mapping[str, str], chips: List[str]) -> int:
@@ -425,6 +445,7 @@ def doctor(*, env: Optional[MutableMapping[str, str]] = None, sysfs: str = "/sys
         per_core = ram / devices
         print(f"  host RAM        {ram:.1f} GiB, {per_core:.1f} GiB per core; per-core batch "
               f"ceiling about {batch_ceiling(per_core)} for 3x224x224 float32 inputs")
+    print(f"  device memory   {device_memory_line(chips, devices, env)}")
     print("  start method    notebooks: fork (run() picks it); scripts: spawn, so guard them "
           "with `if __name__ == \"__main__\":`")
     for p in problems:

@@ -117,11 +117,12 @@ def _number(x) -> bool:
 
 def _dense_float32(tensors, device) -> bool:
     import torch
+    from .compat import sharded
     for t in tensors:
         g = t.grad
         if (t.dtype is not torch.float32 or g.dtype is not torch.float32 or g.is_sparse
-                or t.device != device or g.device != device):
-            return False
+                or t.device != device or g.device != device or sharded(t)):
+            return False  # split over devices (tu.fsdp): torch's own step, partitioned by XLA
     return True
 
 

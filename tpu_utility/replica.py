@@ -16,7 +16,7 @@ import weakref
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, Optional
 
-from . import fused_step, rng
+from . import fused_step, memory, rng
 from .checks import check_optimizer_device, check_parameters
 from .engines import Engine, outside_run
 from .host_bound import Span
@@ -75,6 +75,11 @@ class Replica:
         # optimizer: [train_one_cycle's running loss on the device, zeroed by an epoch's end]
         self._running_losses: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self.reads = ReadWatch()  # the lines that read the device in the second step
+        # tu.fsdp's parameters by id (weak: a k-fold loop's old models are freed) and splits
+        self._splits: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+        self._split_ops: Dict[int, Any] = {}
+        self._measured: "weakref.WeakSet" = weakref.WeakSet()
+        self.memory: Optional[memory.Memory] = None  # at the first optimizer's first step
 
     @property
     def owns_host_rng(self) -> bool:
@@ -158,12 +163,15 @@ class Replica:
                             f" (for a plain step, call optimizer_step(opt))")
         if closure is None:
             self.sync_gradients(opt)
+            if len(self._splits):
+                self._split_like_parameters([p.grad for p in _params(opt)], _params(opt))
             device = self.engine.device()
             if step_kwargs or not fused_step.step(opt, device):
                 with as_copies(device):
                     out = opt.step(**step_kwargs)
             else:
                 out = None  # what opt.step() returns without a closure
+            self._measure(opt, device)
         else:
             if self.engine.replicas > 1:
                 self._first_step(opt)
@@ -174,6 +182,37 @@ class Replica:
         if self.stop_after is not None:
             self._count_step(opt)
         return out
+
+    def shard_like(self, entries: Iterable[tuple]) -> None:
+        """Keep the gradient and optimizer state of each (parameter, split) split as the
+        parameter is (tu.fsdp's parameters)."""
+        for p, op in entries:
+            self._splits[id(p)], self._split_ops[id(p)] = p, op
+
+    def _split_like_parameters(self, tensors: list, params: list) -> None:
+        """Annotate each tensor (a gradient, a state) shaped as its split parameter with
+        the parameter's split; others (None, a step count) are left alone."""
+        from .compat import mark_sharding
+        for t, p in zip(tensors, params):
+            if self._splits.get(id(p)) is p and getattr(t, "shape", None) == p.shape \
+                    and t.device == p.device:
+                mark_sharding(t, self._split_ops[id(p)])
+
+    def _measure(self, opt, device) -> None:
+        """After `opt`'s first step is traced and before it runs: its state split as its
+        parameters are, the memory per device measured, and a run whose parameters,
+        gradients and state alone exceed the device refused (`memory.check`)."""
+        if opt in self._measured:
+            return
+        self._measured.add(opt)
+        if len(self._splits):
+            params = [p for p in _params(opt) if p in opt.state]
+            for key in {k for p in params for k in opt.state[p]}:
+                self._split_like_parameters([opt.state[p].get(key) for p in params], params)
+        measured = memory.measure(opt, device)
+        if self.memory is None:
+            self.memory = measured
+        memory.check(measured)
 
     def _count_step(self, opt) -> None:
         self.steps += 1

@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from .compat import functionalization_on, xla_counts
 from .host_bound import cure as host_cure, idle_share, worth_a_hint as host_bound
 from .input_wait import cure, worth_a_hint
+from .memory import Memory, peak_hint, with_peak
 from .reads import library_reads, ours
 
 
@@ -27,6 +28,7 @@ class XlaReport:
     scaler_steps: int = 0  # steps of torch's GradScaler on XLA (xla::_amp_update_scale_)
     hints: List[str] = field(default_factory=list)
     engine: str = ""  # the engine that ran, and how to pick the other (run()'s first line)
+    memory: Optional[Memory] = None  # per device, from the first optimizer step and compiles
 
     def __str__(self) -> str:
         lines = [self.engine] if self.engine else []
@@ -37,6 +39,8 @@ class XlaReport:
             lines.append(f"CPU fallbacks: {ops}")
         else:
             lines.append("CPU fallbacks: none")
+        if self.memory is not None:
+            lines.append(str(self.memory))
         lines += [f"hint: {h}" for h in self.hints]
         return "\n".join(lines)
 
@@ -77,6 +81,10 @@ def report(history=None, *, verbose: bool = True) -> XlaReport:
     from .replica import current
     rep.hints = hints(rep, history, sites, loaders, waits, shapes, reads=current().reads.sites)
     rep.engine = _engine_line()
+    rep.memory = with_peak(current().memory)
+    if rep.memory is not None and rep.memory.peak and rep.memory.limit \
+            and rep.memory.peak > rep.memory.limit:
+        rep.hints.append(peak_hint(rep.memory))
     if verbose:
         from .devices import master_print
         master_print(str(rep))

@@ -121,6 +121,11 @@ class Engine:
         if state is not None and device.type == "cuda":
             torch.cuda.set_rng_state(state, device)
 
+    def parameter_mesh(self) -> Any:
+        """The SPMD mesh `tu.fsdp` splits parameters over (its first axis), or None where
+        parameters cannot be split over devices."""
+        return None
+
     def zeros(self, shape) -> "torch.Tensor":
         """Zeros on the device, as data that later steps update in place."""
         import torch

@@ -93,6 +93,12 @@ class XlaSingle(Engine):
 
     def device(self):
         import torch_xla
+        from ..memory import watch_compiles
+        from ..recompute import install, installed, note_step
+        if not installed():  # gradient checkpointing: torch's needs a device module for XLA
+            install()
+            note_step()
+        watch_compiles()  # before the first compile: torch_xla reads its debug settings once
         return torch_xla.device()
 
     def loader_options(self, num_workers):
@@ -114,7 +120,9 @@ class XlaSingle(Engine):
 
     def sync(self) -> None:
         from ..compat import end_step
+        from ..recompute import note_step
         end_step()
+        note_step()
 
     def rng_state(self):
         import torch_xla.core.xla_model as xm
@@ -128,7 +136,9 @@ class XlaSingle(Engine):
 
     def cut_step(self) -> None:
         from ..compat import cut_before_next_batch
+        from ..recompute import note_step
         cut_before_next_batch()
+        note_step()
 
     def zeros(self, shape):
         import torch
@@ -149,9 +159,12 @@ class _ClosingFeed:
 
     def __iter__(self):
         from ..compat import close_feed
+        from ..recompute import note_step
         batches = iter(self.loader)
         try:
-            yield from batches
+            for batch in batches:  # each comes after the loader's cut
+                note_step()
+                yield batch
         finally:
             close_feed(batches)
 

@@ -78,6 +78,9 @@ class XlaSpmd(XlaSingle):
     def _input_sharding(self):
         return _BatchSharding(self.mesh)
 
+    def parameter_mesh(self):
+        return self.mesh  # tu.fsdp splits over the axis that splits the batch, as FSDPv2
+
     def zeros(self, shape):
         import torch_xla.distributed.spmd as xs
         from ..compat import quiet_jax_probes

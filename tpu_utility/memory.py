@@ -1,0 +1,173 @@
+"""Memory per device: what a run's parameters, gradients and optimizer state hold on each
+device, the compiled step's peak, and the device's limit, checked before the first step.
+
+The bytes per device are read from the tensors (a tensor split over SPMD devices counts its
+piece). The peak is the compiled program's own: XLA's buffer assignment, which torch_xla
+writes after each compile (its "Post Compilation Analysis") when `PT_XLA_DEBUG_LEVEL` is 1
+and `PT_XLA_DEBUG_FILE` names a file; `watch_compiles` sets both for the run, to a private
+file, unless the user set either. The level-1 analysis runs at compiles only, not at steps.
+The limit is the runtime's (a TPU's HBM per device); XLA:CPU has none, and
+`TPU_UTILITY_DEVICE_MEMORY=16G` checks a CPU run against a v5e chip.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import List, Optional
+
+LIMIT_ENV = "TPU_UTILITY_DEVICE_MEMORY"
+_FIX = ("split the weights over the devices with tu.fsdp(model) (all cores), turn on gradient "
+        "checkpointing (model.gradient_checkpointing_enable()), keep the weights in bfloat16, "
+        "or use a smaller batch")
+_FILE: List[Optional[str]] = [None]
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes on the fullest device: parameters, gradients and optimizer state (measured at
+    the first step of the run's first optimizer), the largest compiled program's peak so
+    far (None: not known), and the device's limit (None: none known)."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    peak: Optional[int] = None
+    limit: Optional[int] = None
+
+    @property
+    def state(self) -> int:
+        return self.parameters + self.gradients + self.optimizer
+
+    def __str__(self) -> str:
+        line = (f"memory per device: parameters {_size(self.parameters)}, gradients "
+                f"{_size(self.gradients)}, optimizer state {_size(self.optimizer)}")
+        if self.peak is not None:
+            line += f"; the compiled step's peak {_size(self.peak)}"
+        if self.limit is not None:
+            line += f" (of {_size(self.limit)})"
+        return line
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "16G", "16GB", "512M", "1.5e9" (powers of 1024 for K, M, G, T).
+
+    Example:
+        >>> parse_size("16G"), parse_size("1e9")
+        (17179869184, 1000000000)
+
+    Args:
+        text: a number of bytes, with an optional K, M, G or T.
+    """
+    m = re.fullmatch(r"\s*([\d.]+(?:e\d+)?)\s*([KMGT]?)(?:i?B)?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"{LIMIT_ENV}={text!r}: give bytes, e.g. 16G for a v5e chip, 32G for a v6e")
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
+
+
+def watch_compiles(env=os.environ) -> None:
+    """Have torch_xla write each compiled program's memory to a private file, unless the user
+    set its debug variables (then `peak` stays unknown). torch_xla reads them at its first
+    compile in the process: call this before."""
+    if _FILE[0] is not None or any(k in env for k in ("PT_XLA_DEBUG", "PT_XLA_DEBUG_LEVEL",
+                                                      "PT_XLA_DEBUG_FILE")):
+        return
+    folder = tempfile.mkdtemp(prefix="tpu_utility-compiles-")  # mode 0700
+    atexit.register(shutil.rmtree, folder, True)
+    _FILE[0] = os.path.join(folder, "compiles.txt")
+    env["PT_XLA_DEBUG_LEVEL"], env["PT_XLA_DEBUG_FILE"] = "1", _FILE[0]
+
+
+_SIZES = re.compile(r"Post Compilation Analysis: (Graph input|Graph output|Aliased Input|"
+                    r"Intermediate tensor) size: ([\d.]+) GB")
+
+
+def compiled_peaks(path: Optional[str] = None) -> List[int]:
+    """Each compiled program's bytes per device so far, in compile order: its inputs and
+    outputs (less those that share an input's buffer) and its temporaries, as XLA's buffer
+    assignment laid them out."""
+    path = path or _FILE[0]
+    if not path or not os.path.exists(path):
+        return []
+    with open(path, errors="replace") as f:
+        text = f.read()
+    peaks, sizes = [], {}
+    for kind, gb in _SIZES.findall(text):
+        sizes[kind] = float(gb) * 1024 ** 3  # torch_xla prints bytes / 2**30
+        if kind == "Intermediate tensor":
+            peaks.append(int(sizes.get("Graph input", 0) + sizes.get("Graph output", 0)
+                             - sizes.get("Aliased Input", 0) + sizes[kind]))
+            sizes = {}
+    return peaks
+
+
+def device_bytes(tensors) -> int:
+    """Bytes the given tensors hold on one device (each split tensor: its piece)."""
+    from .compat import device_shape
+    total = 0
+    for t in tensors:
+        n = 1
+        for d in device_shape(t):
+            n *= d
+        total += n * t.element_size()
+    return total
+
+
+def limit(device, env=os.environ) -> Optional[int]:
+    """The device's memory in bytes: `TPU_UTILITY_DEVICE_MEMORY` where set, else the
+    runtime's (None on XLA:CPU)."""
+    if env.get(LIMIT_ENV):
+        return parse_size(env[LIMIT_ENV])
+    if device.type != "xla":
+        return None
+    from .compat import device_memory_limit
+    return device_memory_limit(device)
+
+
+def measure(opt, device, env=os.environ) -> Memory:
+    """`opt`'s parameters, their gradients and its state, in bytes per device."""
+    import torch
+    params = [p for g in opt.param_groups for p in g["params"]]
+    grads = [p.grad for p in params if p.grad is not None]
+    state = [v for s in opt.state.values() for v in s.values()
+             if isinstance(v, torch.Tensor) and v.dim() > 0]
+    peaks = compiled_peaks()
+    return Memory(device_bytes(params), device_bytes(grads), device_bytes(state),
+                  peak=max(peaks) if peaks else None, limit=limit(device, env))
+
+
+def check(memory: Memory) -> None:
+    """Raise MemoryError, naming the fixes, where the parameters, gradients and optimizer
+    state alone exceed the device's memory."""
+    if memory.limit is not None and memory.state > memory.limit:
+        raise MemoryError(
+            f"this run needs {_size(memory.state)} per device for parameters, gradients and "
+            f"optimizer state ({_size(memory.parameters)} + {_size(memory.gradients)} + "
+            f"{_size(memory.optimizer)}) before any activation, and a device has "
+            f"{_size(memory.limit)}: {_FIX}")
+
+
+def with_peak(memory: Optional[Memory]) -> Optional[Memory]:
+    """`memory` with the largest compiled program's peak so far."""
+    if memory is None:
+        return None
+    peaks = compiled_peaks()
+    if not peaks:
+        return memory
+    return Memory(memory.parameters, memory.gradients, memory.optimizer, max(peaks), memory.limit)
+
+
+def peak_hint(memory: Memory) -> str:
+    """The sentence for a compiled step whose peak exceeds the device's memory."""
+    return (f"the compiled step needs {_size(memory.peak or 0)} per device at its peak and a "
+            f"device has {_size(memory.limit or 0)}: {_FIX}")
