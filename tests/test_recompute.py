@@ -6,27 +6,24 @@ import pytest
 import torch
 
 
-@pytest.mark.parametrize("cores", [1, 8])
-def test_checkpointing_equals_the_run_without_it_and_the_compiled_peak_falls(run_script, cores):
+def test_checkpointing_equals_the_run_without_it_and_the_compiled_peak_falls(run_script):
     pytest.importorskip("transformers")
-    # transformers 4.x checkpoints with use_reentrant=True, 5.x with False: each stack runs
-    # its own default. At 8 devices, a user's own blocks through torch.utils.checkpoint too.
-    r = run_script(f"""
+    # HF's at 1 core (transformers 4.x checkpoints with use_reentrant=True, 5.x with False:
+    # each stack runs its own default); at 8 SPMD devices a user's own blocks through
+    # torch.utils.checkpoint, one block each way. (HF's at 8 devices: test_fsdp.py.)
+    r = run_script("""
         import functools, json, torch
         import tpu_utility as tu, big_fns
         from reference import max_param_diff
 
         def compare(plain, ckpt):
-            return {{"losses": [plain["losses"], ckpt["losses"]], "peaks": [plain["peak"], ckpt["peak"]],
-                     "diff": max_param_diff(plain["state"], ckpt["state"])}}
+            return {"losses": [plain["losses"], ckpt["losses"]], "peaks": [plain["peak"], ckpt["peak"]],
+                    "diff": max_param_diff(plain["state"], ckpt["state"])}
 
         if __name__ == "__main__":
-            go = lambda **kw: tu.run(functools.partial(big_fns.train, **kw), cores={cores}, start_method="fork")
-            out = {{"hf": compare(go(), go(checkpointing="hf"))}}
-            if {cores} == 8:
-                plain = go(model="blocks")
-                for reentrant in (True, False):
-                    out[str(reentrant)] = compare(plain, go(model="blocks", checkpointing=reentrant))
+            go = lambda cores, **kw: tu.run(functools.partial(big_fns.train, **kw), cores=cores, start_method="fork")
+            out = {"hf": compare(go(1), go(1, checkpointing="hf")),
+                   "blocks": compare(go(8, model="blocks"), go(8, model="blocks", checkpointing="both"))}
             print("RESULT", json.dumps(out))
     """, timeout=400).result
     for name, c in r.items():
