@@ -178,14 +178,9 @@ def _tie(inputs: List, grads) -> List:
 
 
 def _reentrant(base):
-    if getattr(base, "_tpu_utility", False):
-        return base
-
     class CheckpointFunction(base):
         """torch's reentrant checkpoint; its backward hands the block's gradient to the
         recomputation's inputs (through `detach_variable`, below)."""
-
-        _tpu_utility = True
 
         @staticmethod
         def backward(ctx, *grads):
@@ -199,15 +194,11 @@ def _reentrant(base):
 
 
 def _tied_detach(base):
-    if getattr(base, "_tpu_utility", False):
-        return base
-
     def detach_variable(inputs):
         grads = getattr(_LOCAL, "grads", None)
         out = base(inputs)
         return tuple(_tie(list(out), grads)) if grads and _xla(out) else out
 
-    detach_variable._tpu_utility = True
     return detach_variable
 
 
@@ -218,9 +209,6 @@ class _Block:
 
 
 def _non_reentrant(base):
-    if getattr(base, "_tpu_utility", False):
-        return base
-
     def generator(fn, preserve_rng_state=True, context_fn=None, *rest, **kwargs):
         import torch.utils.checkpoint as tuc
         context_fn = context_fn or tuc.noop_context_fn
@@ -249,19 +237,13 @@ def _non_reentrant(base):
             node.register_prehook(arrived)
         last.tensor = None
 
-    generator._tpu_utility = True
     return generator
 
 
 def _frame(base):
-    if getattr(base, "_tpu_utility", False):
-        return base
-
     class _CheckpointFrame(base):
         """torch's non-reentrant checkpoint frame; its recomputation's inputs tied to the
         gradient that reached the block."""
-
-        _tpu_utility = True
 
         def __init__(self, recompute_fn, *args, **kwargs):
             block = getattr(_LOCAL, "block", None)
