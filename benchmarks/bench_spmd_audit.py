@@ -291,7 +291,8 @@ def run_child(py, model, devices, global_batch, steps, timeout, split_bn=False, 
         dump, out = os.path.join(tmp, "dump"), os.path.join(tmp, "out.json")
         env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(max(devices, 1)), TF_CPP_MIN_LOG_LEVEL="2",
                    **({"XLA_RNG_BIT_GENERATOR": rng} if rng else {}),
-                   XLA_FLAGS=f"--xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=spmd-partitioning")
+                   XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +  # the caller's flags kept (the tests' quick compiler)
+                              f" --xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=spmd-partitioning"))
         cmd = [py, os.path.abspath(__file__), "--child", "--model", model, "--devices", str(devices),
                "--global-batch", str(global_batch), "--steps", str(steps), "--out", out,
                "--dropout", str(dropout)] + ["--split-bn"] * split_bn + ["--state"] * state

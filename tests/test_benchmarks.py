@@ -75,39 +75,34 @@ def training_rows(out):
 
 
 def test_bench_training_smoke():
-    """Five of the 18 jobs of `--workloads mlp,cnn,transformer --cores 1,8`: each job is a
+    """Three of the 18 jobs of `--workloads mlp,cnn,transformer --cores 1,8`: each job is a
     fresh process (~4.5 s of imports) that compiles its graphs (~2 s each for these models
-    on XLA:CPU), so all 18 take ~175 s on 2 cores. Here the transformer's loops (LambdaLR,
-    clipping) at one device and the CNN (BatchNorm, dropout, SGD) at 8 SPMD devices with
-    every variant, ~55-70 s; the MLP runs the same code, the transformer's train_one_cycle
-    differs from the CNN's by `clip=1.0` only, and every workload's definition is checked
-    on the CPU below."""
+    on XLA:CPU), so all 18 take ~175 s on 2 cores. Here the CNN (BatchNorm, dropout, SGD)
+    at 8 SPMD devices with every variant; the MLP and the transformer run the same code
+    (the transformer's loops add LambdaLR and clipping, which tests/test_foreach.py and
+    test_training.py count), and every workload's definition is checked on the CPU below.
+    (The transformer's two loops at one device ran here too, bit-equal, until the suite
+    passed 10 minutes on Kaggle's stack.)"""
     # toy sizes, batch 8 per core: 8 steps per epoch at cores=1; 2 at cores=8 (64 per step),
     # so the warm-up call compiles the steady step too (an optimizer's first step, which
     # makes its state, is a graph of its own)
     sizes = ("--workers", "0", "--samples", "64,cnn=128", "--batch-size", "8", "--epochs", "1",
              "--rounds", "1", "--log-every", "1000")
-    out = (bench("bench_training.py", "--workloads", "transformer", "--cores", "1",
-                 "--variants", "hand-written,swapped", *sizes)
-           + bench("bench_training.py", "--workloads", "cnn", "--cores", "8", *sizes))
+    out = bench("bench_training.py", "--workloads", "cnn", "--cores", "8", *sizes)
     rows = training_rows(out)
-    assert sorted(rows) == sorted([("transformer", 1, "hand-written"),
-                                   ("transformer", 1, "swapped loop")]
-                                  + [("cnn", 8, v) for v in ("hand-written", "swapped loop",
-                                                             "train_one_cycle")]), out
+    assert sorted(rows) == sorted([("cnn", 8, v) for v in ("hand-written", "swapped loop",
+                                                           "train_one_cycle")]), out
     for cells in rows.values():
         assert cells[1] == "0", out  # workers used
         assert cells[7] == "0", out  # compiles in the timed call: all compiled in the warm-up
         # reads per timed epoch: the epoch's mean loss, and the log point at step 1 (no
         # other: log_every 1000 > the steps), the same for the loops and train_one_cycle
         assert float(cells[8]) == 2.0, out
-    # the same graphs and cuts per step as the hand-written loop (LambdaLR and clipping add
-    # none), in both groups
+    # the same graphs and cuts per step as the hand-written loop
     assert out.count("counts against hand-written: compiles (timed), transfers/epoch, "
-                     "graphs/step and cuts/step the same for every variant") == 2, out
+                     "graphs/step and cuts/step the same for every variant") == 1, out
     loss = {key: float(cells[10]) for key, cells in rows.items()}  # printed in full (repr)
     # same initial weights, permutation, dropout draws and schedule: bit-equal, ...
-    assert loss["transformer", 1, "swapped loop"] == loss["transformer", 1, "hand-written"], out
     assert loss["cnn", 8, "train_one_cycle"] == loss["cnn", 8, "swapped loop"], out
     # ... but for BatchNorm at 8 devices, which tu's SPMD engine computes as reductions the
     # partitioner splits (engines/spmd_norms.py): rounding apart

@@ -59,9 +59,11 @@ def test_masks_are_built_only_inside_the_block_and_modules_loaded_inside_are_pat
     assert "_PatchOnImport" not in r["finders"], r
 
 
-@pytest.mark.parametrize("cores,split", [(1, False), (8, False), (8, True)])
+@pytest.mark.parametrize("cores,split", [(1, False), (8, True)])
 def test_train_one_cycle_predict_and_lr_find_take_an_hf_model_without_a_loss(run_script, cores, split):
-    # split: the weights split over the devices by tu.fsdp (issue 46), against the same reference
+    # split: the weights split over the devices by tu.fsdp (issue 46), against the same
+    # reference. (8 devices unsplit is not run apart: the split run takes each of its paths
+    # and adds the split; the HF loop at 8 unsplit devices is the next test's.)
     r = run_script(f"""
         import json, torch
         import tpu_utility as tu, hf_fns

@@ -1,7 +1,7 @@
 """`port` on scripts it was not developed on: tests/port_corpus/ holds one small script per
 shape that real public scripts have (written here, in their shapes), each a CUDA script
-that runs on the CPU as it is. Each is ported, and the ported file runs at cores=1 and
-at 8 SPMD devices with no hand edit; its losses match the original's on the CPU at the
+that runs on the CPU as it is. Each is ported, and the ported file runs at 8 SPMD
+devices (and at cores=1 where the step differs by engine) with no hand edit; its losses match the original's on the CPU at the
 same global batch."""
 import ast
 import inspect
@@ -18,11 +18,14 @@ CORPUS = ROOT / "tests" / "port_corpus"
 
 # script: (arguments and environment of the original at the global batch, of the port at
 # cores=1, of the port at 8 SPMD devices (a per-core batch an eighth as large)), and the
-# regular expression of the printed losses compared.
+# regular expression of the printed losses compared. The port's text is the same at both
+# sizes but for `cores=`: shapes about rewriting source run at 8 devices only (None); those
+# whose step differs by engine (a hand-written update, a closure, DDP's set-up, a notebook)
+# at 1 core too. (Every shape ran at both until the suite passed 10 minutes on Kaggle's stack.)
 SHAPES = {
     # two nets, two optimizers, training straight down the file, no __main__ guard;
     # a full batch per step, so that make_loader's order cannot change the losses
-    "gan_top_level": (["--batchSize", "256"], ["--batchSize", "256"], ["--batchSize", "32"],
+    "gan_top_level": (["--batchSize", "256"], None, ["--batchSize", "32"],
                       r"Loss_D: (\S+) Loss_G: (\S+) D\(x\): (\S+)"),
     # no optimizer, no DataLoader: batches sliced from a tensor on the device, p.data.add_
     "manual_sgd": ([], [], [], r"loss (\S+)|valid loss (\S+)"),
@@ -31,13 +34,13 @@ SHAPES = {
     # DataLoader(dataset=...), a warmup stepped every batch, clipping, dict batches, the
     # fold loop inline at the top under `with timer():`; later folds' models are
     # initialised from the global generator after the loaders drew from it
-    "kfold_with": ({"BATCH_SIZE": "128"}, {"BATCH_SIZE": "128"}, {"BATCH_SIZE": "16"},
+    "kfold_with": ({"BATCH_SIZE": "128"}, None, {"BATCH_SIZE": "16"},
                    r"VALID (\S+)"),
     # `% (...)` and `!= 0` continuing a line, a backslash continuation, a string line with %
-    "percent_lines": (["--batch-size", "32"], ["--batch-size", "32"], ["--batch-size", "4"],
+    "percent_lines": (["--batch-size", "32"], None, ["--batch-size", "4"],
                       r"LOSS (\S+)"),
     # training inline under `if __name__ == "__main__":`, its settings parsed there
-    "inline_main": (["--bs", "64"], ["--bs", "64"], ["--bs", "8"], r"VALID (\S+)"),
+    "inline_main": (["--bs", "64"], None, ["--bs", "8"], r"VALID (\S+)"),
     # a Hugging Face fine-tune without Trainer: DataCollatorWithPadding on ragged text, the
     # model's out.loss, a warmup schedule, from_pretrained beside from_config
     # (at 8 devices only: its compiles are the corpus's dearest, and 1 core adds nothing
@@ -233,11 +236,11 @@ def test_port_help():
 NEW_SHAPES = {
     "ddp_boilerplate": (["--batch-size", "512", "--epochs", "4"], ["--batch-size", "512", "--epochs", "4"],
                         ["--batch-size", "64", "--epochs", "4"], r"LOSS (\S+)|VAL loss (\S+)"),
-    "generative_batch_shape": (["--batch-size", "256"], ["--batch-size", "256"], ["--batch-size", "32"],
+    "generative_batch_shape": (["--batch-size", "256"], None, ["--batch-size", "32"],
                                r"Loss: (\S+)|Average loss: (\S+)|Test set loss: (\S+)"),
     "notebook_top_level": ({"BATCH_SIZE": "1024", "EPOCHS": "4"}, {"BATCH_SIZE": "1024", "EPOCHS": "4"},
                            {"BATCH_SIZE": "128", "EPOCHS": "4"}, r"epoch \d+ loss (\S+)|test loss (\S+)"),
-    "multifile": (["--batch-size", "256", "--epochs", "4"], ["--batch-size", "256", "--epochs", "4"],
+    "multifile": (["--batch-size", "256", "--epochs", "4"], None,
                   ["--batch-size", "32", "--epochs", "4"], r"LOSS (\S+)|VALID (\S+)"),
 }
 
@@ -267,7 +270,7 @@ def test_issue_34_shapes_run_at_1_and_8_cores_as_ported_and_match_the_cpu_origin
             (tmp_path / f"{name}.py").write_text(original)
         assert "tu.run(" in text, name
         lines_by_hand[name] = len(result.todo)
-        for tag, args, cores in (("1", one, 1), ("8", eight, 8)):
+        for tag, args, cores in (("1", one, 1), ("8", eight, 8))[1 if one is None else 0:]:
             path = entry.parent / f"{entry.stem}_tpu_{tag}.py"
             path.write_text(text.replace("cores=8", f"cores={cores}, start_method='fork'"))
             jobs.append([f"{name}:{tag}", str(path), *_split(args)])
@@ -277,7 +280,7 @@ def test_issue_34_shapes_run_at_1_and_8_cores_as_ported_and_match_the_cpu_origin
     for name in NEW_SHAPES:
         reference = want[f"{name}:cpu"]
         assert len(reference) >= 3, (name, reference)
-        for tag in ("1", "8"):
+        for tag in ("1", "8") if NEW_SHAPES[name][1] is not None else ("8",):
             mine = got[f"{name}:{tag}"]
             worst = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(mine, reference)), default=0)
             print(f"{name} at {tag} core(s): {len(mine)} losses, largest relative difference "

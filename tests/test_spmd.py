@@ -164,12 +164,14 @@ def test_batchnorm_at_8_devices_is_the_global_batchs_and_is_split(run_script, tm
         import json, os, torch, tpu_utility as tu
         from test_spmd import bn_train, dropout_masks
         out = {"one": tu.run(bn_train, cores=1, start_method="fork")}
-        os.environ["XLA_FLAGS"] = "--xla_dump_to=dump --xla_dump_hlo_as_text"
+        flags = os.environ.get("XLA_FLAGS", "")  # the suite's quick XLA:CPU compiler, kept
+        os.environ["XLA_FLAGS"] = flags + " --xla_dump_to=dump --xla_dump_hlo_as_text"
         out["eight"] = tu.run(bn_train, cores=8, start_method="fork")
-        os.environ.update(XLA_FLAGS="--xla_dump_to=native --xla_dump_hlo_as_text",
+        os.environ.update(XLA_FLAGS=flags + " --xla_dump_to=native --xla_dump_hlo_as_text",
                           TPU_UTILITY_SPMD_NORMS="0")  # torch_xla's own norms, for contrast
         tu.run(bn_train, cores=8, start_method="fork")
-        del os.environ["XLA_FLAGS"], os.environ["TPU_UTILITY_SPMD_NORMS"]
+        os.environ["XLA_FLAGS"] = flags
+        del os.environ["TPU_UTILITY_SPMD_NORMS"]
         out["drop"] = tu.run(dropout_masks, cores=8, start_method="fork")
         from test_spmd import norm_cases
         out["norms"] = norm_cases()  # here, after the runs: this process's own XLA device
