@@ -10,9 +10,10 @@ import tpu_utility as tu
 VOCAB, SEQ = 512, 32
 
 
-def bert(dropout=0.1, layers=2):
+def bert(dropout=0.1, layers=1):
     """A BERT whose embeddings (512 x 64) and feed-forward weights (64 x 512) have 32768
-    elements each: the size tu.fsdp splits from."""
+    elements each: the size tu.fsdp splits from. One layer: each layer costs the tests that
+    compile it about 40% more (XLA:CPU, 8 devices)."""
     from transformers import BertConfig, BertForSequenceClassification
     torch.manual_seed(0)
     cfg = BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=layers,
@@ -60,34 +61,51 @@ class Blocks(nn.Module):
         return F.cross_entropy(self.head(x.mean(1)), labels)
 
 
-def train(model="bert", *, checkpointing=False, split=False, steps=3, batch=16, bf16=False, save=None):
+def train(model="bert", *, checkpointing=False, split=False, steps=3, batch=16, bf16=False, save=None,
+          layers=1, weights=None, dropout=0.1, shuffle=None, resume_at=None):
     """`steps` AdamW steps through tu.optimizer_step; the losses, final weights, compiled
     peak of this training's step, the memory per device, each parameter's split, report();
-    `save`: a path for tu.save(model.state_dict())."""
+    `save`: a path for tu.save(model.state_dict()); `weights="bf16"`: tu.bf16_weights;
+    `resume_at`: a path: the model's and optimizer's state dicts saved there after step
+    `steps // 2`, then a fresh model and optimizer load them and take the later steps
+    again on the same batches ("resumed": its final weights)."""
     import torch_xla
     from tpu_utility import fused_step, memory
     from tpu_utility.compat import sharded
     from tpu_utility.replica import current
     device = tu.get_device()
-    net = (bert() if model == "bert" else Blocks(checkpointing if checkpointing != "hf" else None)).to(device)
+    net = (bert(dropout, layers=layers) if model == "bert" else Blocks(checkpointing if checkpointing != "hf" else None)).to(device)
     if checkpointing == "hf":
         net.gradient_checkpointing_enable()
-    if split:
-        tu.fsdp(net)
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-    loader = tu.make_loader(Texts(steps * batch * tu.world_size()), batch, num_workers=0)
-    torch_xla.manual_seed(7)
-    peaks_before = len(memory.compiled_peaks())
-    losses = []
-    for b in loader:
+    def build(net):
+        if split:
+            tu.fsdp(net)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        if weights == "bf16":
+            tu.bf16_weights(net, opt)
+        return net, opt
+
+    def step(net, opt, b):
         with torch.autocast("xla", dtype=torch.bfloat16, enabled=bf16):
             out = net(**b)
         loss = out.loss if hasattr(out, "loss") else out
         loss.backward()
         tu.optimizer_step(opt)
         opt.zero_grad()
-        losses.append(loss.detach())
         tu.sync()
+        return loss.detach()
+
+    net, opt = build(net)
+    loader = tu.make_loader(Texts(steps * batch * tu.world_size()), batch, num_workers=0, shuffle=shuffle)
+    torch_xla.manual_seed(7)
+    peaks_before = len(memory.compiled_peaks())
+    losses, later = [], []
+    for i, b in enumerate(loader):
+        losses.append(step(net, opt, b))
+        if resume_at and i + 1 == steps // 2:
+            tu.save({"model": net.state_dict(), "opt": opt.state_dict()}, resume_at)
+        elif resume_at and i + 1 > steps // 2:
+            later.append(b)
     peaks = memory.compiled_peaks()[peaks_before:]
     if save:
         tu.save(net.state_dict(), save)
@@ -99,6 +117,15 @@ def train(model="bert", *, checkpointing=False, split=False, steps=3, batch=16, 
             "numel": {n: p.numel() for n, p in net.named_parameters()},
             "state_split": [sharded(v) for s in opt.state.values() for v in s.values()
                             if getattr(v, "dim", lambda: 0)() > 0]}
+    if resume_at:
+        again, again_opt = build(bert(dropout, layers=layers).to(device))
+        saved = torch.load(resume_at, weights_only=True)
+        again.load_state_dict(saved["model"])
+        again_opt.load_state_dict(saved["opt"])
+        for b in later:
+            step(again, again_opt, b)
+        result["resumed"] = tu.to_cpu(again.state_dict())
+        result["masters_split"] = [sharded(m) for g in again_opt.param_groups for m in g["params"]]
     # The fused step (issue 39) on split tensors: it must step aside (False) for torch's.
     out = net(**b)
     (out.loss if hasattr(out, "loss") else out).backward()

@@ -9,9 +9,9 @@ pytest.importorskip("transformers")
 
 
 def test_fsdp_splits_each_large_weight_equals_the_unsplit_run_and_fits_where_it_did_not(run_script, tmp_path):
-    # TPU_UTILITY_DEVICE_MEMORY=2M for the later runs: the unsplit BERT needs 3.3 MB a device
+    # TPU_UTILITY_DEVICE_MEMORY=1M for the later runs: the unsplit BERT needs 1.9 MB a device
     # for weights, gradients and AdamW's state, so it is refused before its first step;
-    # split, 1.0 MB. The compiled step's peak (activations and all) is more: report() says so.
+    # split, 0.6 MB. The compiled step's peak (activations and all) is more: report() says so.
     saved = str(tmp_path / "split.pt")
     r = run_script(f"""
         import functools, json, os, torch
@@ -27,9 +27,8 @@ def test_fsdp_splits_each_large_weight_equals_the_unsplit_run_and_fits_where_it_
         if __name__ == "__main__":
             go = lambda **kw: tu.run(functools.partial(big_fns.train, steps=6, **kw), cores=8, start_method="fork")
             plain = go()
-            amp = go(bf16=True)
             ckpt = go(checkpointing="hf")  # HF's gradient checkpointing at 8 devices (issue 46, 1)
-            os.environ["TPU_UTILITY_DEVICE_MEMORY"] = "2M"
+            os.environ["TPU_UTILITY_DEVICE_MEMORY"] = "1M"
             try:
                 go()
                 too_big = None
@@ -41,10 +40,10 @@ def test_fsdp_splits_each_large_weight_equals_the_unsplit_run_and_fits_where_it_
             model.load_state_dict(torch.load({saved!r}, weights_only=True))
             print("RESULT", json.dumps({{
                 "losses": [plain["losses"], split["losses"], ckpt["losses"]],
-                "amp": [amp["losses"], both["losses"]], "peaks": [plain["peak"], ckpt["peak"]],
+                "both": both["losses"], "peaks": [plain["peak"], ckpt["peak"]],
                 "diff_ckpt": max_param_diff(plain["state"], ckpt["state"]),
                 "diff": max_param_diff(plain["state"], split["state"]),
-                "diff_amp": max_param_diff(amp["state"], both["state"]),
+                "diff_both": max_param_diff(plain["state"], both["state"]),
                 "loaded": max_param_diff(split["state"], model.state_dict()),
                 "split": split["split"], "numel": split["numel"], "state_split": split["state_split"],
                 "memory": [plain["memory"], split["memory"]], "report": split["report"],
@@ -52,7 +51,7 @@ def test_fsdp_splits_each_large_weight_equals_the_unsplit_run_and_fits_where_it_
                 "one_core": tu.run(refused, cores=1, start_method="fork")}}))
     """, timeout=400).result
     big = [n for n, k in r["numel"].items() if k >= 32768]
-    assert len(big) == 5, r["numel"]  # the word embeddings and 2 x 2 feed-forward weights
+    assert len(big) == 3, r["numel"]  # the word embeddings and the 2 feed-forward weights
     assert all(r["split"][n] for n in big), r["split"]
     assert sum(r["state_split"]) == 2 * len(big), r  # AdamW's two moments of each
     plain, split, ckpt = r["losses"]
@@ -62,10 +61,14 @@ def test_fsdp_splits_each_large_weight_equals_the_unsplit_run_and_fits_where_it_
     # the run without it, and the compiled step's peak falls (test_recompute.py: 1 device).
     assert max(abs(a - b) for a, b in zip(plain, ckpt)) < 1e-5 and r["diff_ckpt"] < 1e-5, r
     assert r["peaks"][1] < r["peaks"][0], r
-    # Split and checkpointed, under bf16 autocast, against the plain run under it: bf16 sums
-    # taken in another order; Adam moves a weight by up to lr (1e-3) a step whatever the
-    # size of its gradient, so the weights agree less closely than the losses.
-    assert max(abs(a - b) for a, b in zip(*r["amp"])) < 1e-4 and r["diff_amp"] < 6e-3, r
+    # Split and checkpointed, under bf16 autocast, against the plain float32 run: bf16's
+    # rounding; Adam moves a weight by up to lr (1e-3) a step whatever the size of its
+    # gradient, so the weights agree less closely than the losses. (Against the plain run
+    # under bf16 autocast the losses were within 1.6e-5; that run was dropped to keep the
+    # suite under 10 minutes.)
+    # (6 steps of about lr each, in either run: weights up to ~1.2e-2 apart where a gradient
+    # near zero takes its sign from rounding; measured 1.08e-2, losses 6.0e-4)
+    assert max(abs(a - b) for a, b in zip(plain, r["both"])) < 5e-3 and r["diff_both"] < 1.5e-2, r
     assert r["loaded"] == 0.0, r  # the saved state dict: whole tensors, into a plain CPU model
     # The fused step (issue 39) takes the unsplit step, and steps aside for split tensors.
     assert r["fused"] == [True, False], r
@@ -77,8 +80,10 @@ def test_fsdp_splits_each_large_weight_equals_the_unsplit_run_and_fits_where_it_
     assert eighths["parameters"] == 4 * (small + sum(r["numel"][n] for n in big) // 8), r
     assert eighths["gradients"] == eighths["parameters"] and eighths["optimizer"] == 2 * eighths["parameters"]
     # Refused before its first step, naming the fix; split, the same run trains and reports.
-    assert r["too_big"] and "3.29 MB per device" in r["too_big"] and "tu.fsdp(model)" in r["too_big"], r
-    assert ("memory per device: parameters 248.07 kB, gradients 248.07 kB, optimizer state "
-            "496.14 kB; the compiled step's peak") in r["report"], r
-    assert "(of 2.10 MB)" in r["report"] and "hint: the compiled step needs" in r["report"], r
+    assert r["too_big"] and f"{16 * numel / 1e6:.2f} MB per device" in r["too_big"], r
+    assert "tu.fsdp(model)" in r["too_big"], r
+    p = eighths["parameters"]
+    assert (f"memory per device: parameters {p / 1e3:.2f} kB, gradients {p / 1e3:.2f} kB, "
+            f"optimizer state {2 * p / 1e3:.2f} kB; the compiled step's peak") in r["report"], r
+    assert "(of 1.05 MB)" in r["report"] and "hint: the compiled step needs" in r["report"], r
     assert "SPMD" in r["one_core"] and "cores=" in r["one_core"], r

@@ -180,7 +180,22 @@ def _tie(inputs: List, grads) -> List:
 def _reentrant(base):
     class CheckpointFunction(base):
         """torch's reentrant checkpoint; its backward hands the block's gradient to the
-        recomputation's inputs (through `detach_variable`, below)."""
+        recomputation's inputs (through `detach_variable`, below). A block on XLA with
+        parameters to train and no input that takes gradients is refused: reentrant
+        checkpointing would give those parameters no gradient, and torch only warns."""
+
+        @classmethod
+        def apply(cls, function, preserve_rng_state, *args):
+            import torch
+            if torch.is_grad_enabled() and _xla(args) and not any(
+                    isinstance(a, torch.Tensor) and a.requires_grad for a in args) \
+                    and _trains(function):
+                raise RuntimeError(
+                    "checkpoint(use_reentrant=True): no input of this block requires grad (frozen "
+                    "embeddings?), so its parameters would get no gradient: pass "
+                    "use_reentrant=False, or for a Hugging Face model call "
+                    "model.enable_input_require_grads() after gradient_checkpointing_enable()")
+            return super().apply(function, preserve_rng_state, *args)
 
         @staticmethod
         def backward(ctx, *grads):
@@ -191,6 +206,17 @@ def _reentrant(base):
                 _LOCAL.grads = None
 
     return CheckpointFunction
+
+
+def _trains(function) -> bool:
+    """Whether `function` (a module, a module's bound method, a partial of either) has a
+    parameter that takes gradients; False where it cannot tell."""
+    import functools
+    import torch
+    while isinstance(function, functools.partial):
+        function = function.func
+    module = function if isinstance(function, torch.nn.Module) else getattr(function, "__self__", None)
+    return isinstance(module, torch.nn.Module) and any(p.requires_grad for p in module.parameters())
 
 
 def _tied_detach(base):
