@@ -10,7 +10,9 @@ A 12-layer BERT-base-shaped classifier (vocabulary 30522, hidden 768, 12 heads, 
 
 - `replicated`: every device holds every weight, gradient and AdamW moment;
 - `fsdp`: `tu.fsdp(model)`;
-- `fsdp+ckpt`: `tu.fsdp(model)` and `model.gradient_checkpointing_enable()`.
+- `fsdp+ckpt`: `tu.fsdp(model)` and `model.gradient_checkpointing_enable()`;
+- `fsdp+bf16`, `fsdp+ckpt+bf16`: the same with `tu.bf16_weights(model, opt)` (bfloat16
+  weights, float32 master copies in the optimizer).
 
 Printed for each: the bytes per device of parameters, gradients and optimizer state (read
 from the tensors at the first step), the compiled step's peak per device (XLA's buffer
@@ -40,11 +42,14 @@ def train(config, seq, batch, steps):
     torch.manual_seed(0)
     cfg = BertConfig(max_position_embeddings=max(512, seq), num_labels=2)  # BERT-base's shape
     model = BertForSequenceClassification(cfg).to(device)
-    if config.endswith("ckpt"):
+    parts = config.split("+")
+    if "ckpt" in parts:
         model.gradient_checkpointing_enable()
-    if config.startswith("fsdp"):
+    if "fsdp" in parts:
         tu.fsdp(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    if "bf16" in parts:
+        tu.bf16_weights(model, opt)
     rows = batch * tu.world_size() * (steps + 1)
     g = torch.Generator().manual_seed(1)
     data = [{"input_ids": ids, "labels": y} for ids, y in

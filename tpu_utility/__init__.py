@@ -1,6 +1,7 @@
 """tpu_utility: run a functional PyTorch CUDA script on one TPU core or on all of them."""
 from .amp import GradScaler, autocast
 from .augment import aug_transforms
+from .bf16_weights import bf16_weights
 from .checkpoint import load_state, save, save_state
 from .data import make_loader
 from .devices import (all_reduce, average_gradients, get_device, has_accelerator, is_master,
@@ -25,4 +26,4 @@ __all__ = ["setup_tpu", "get_device", "optimizer_step", "make_loader", "scale_lr
            "open_cache", "CachedDataset", "show_batch", "normalize", "denormalize",
            "ReplicasExited", "autocast", "GradScaler", "gather", "save_state", "load_state",
            "Preempted", "Stalled", "to_cpu", "aug_transforms", "check_functionalization",
-           "FunctionalizationCheck", "has_accelerator", "all_reduce", "fsdp"]
+           "FunctionalizationCheck", "has_accelerator", "all_reduce", "fsdp", "bf16_weights"]

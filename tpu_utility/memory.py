@@ -134,13 +134,18 @@ def limit(device, env=os.environ) -> Optional[int]:
     return device_memory_limit(device)
 
 
-def measure(opt, device, env=os.environ) -> Memory:
-    """`opt`'s parameters, their gradients and its state, in bytes per device."""
+def measure(opt, device, masters=(), env=os.environ) -> Memory:
+    """`opt`'s parameters, their gradients and its state, in bytes per device. `masters`:
+    (float32 copy, bfloat16 weight) pairs (tu.bf16_weights): the weights count as the
+    parameters, a gradient of their size each, and the copies as optimizer state."""
     import torch
+    weight_of = {id(m): w for m, w in masters}
     params = [p for g in opt.param_groups for p in g["params"]]
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [weight_of.get(id(p), p.grad) for p in params if p.grad is not None]
     state = [v for s in opt.state.values() for v in s.values()
              if isinstance(v, torch.Tensor) and v.dim() > 0]
+    state += [m for m, _ in masters]
+    params = [weight_of.get(id(p), p) for p in params]
     peaks = compiled_peaks()
     return Memory(device_bytes(params), device_bytes(grads), device_bytes(state),
                   peak=max(peaks) if peaks else None, limit=limit(device, env))

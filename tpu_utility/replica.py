@@ -79,6 +79,8 @@ class Replica:
         self._splits: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
         self._split_ops: Dict[int, Any] = {}
         self._measured: "weakref.WeakSet" = weakref.WeakSet()
+        # optimizer: [(float32 copy it steps, the model's bfloat16 weight)] (tu.bf16_weights)
+        self._masters: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self.memory: Optional[memory.Memory] = None  # at the first optimizer's first step
 
     @property
@@ -161,7 +163,10 @@ class Replica:
             raise TypeError(f"optimizer_step(opt, closure): the closure must be a function that "
                             f"computes the loss and calls backward, got {type(closure).__name__}"
                             f" (for a plain step, call optimizer_step(opt))")
+        masters = self._masters.get(opt)
         if closure is None:
+            if masters:
+                _gradients_to_masters(masters)
             self.sync_gradients(opt)
             if len(self._splits):
                 self._split_like_parameters([p.grad for p in _params(opt)], _params(opt))
@@ -172,7 +177,12 @@ class Replica:
             else:
                 out = None  # what opt.step() returns without a closure
             self._measure(opt, device)
+            if masters:
+                _masters_to_weights(masters)
         else:
+            if masters:
+                raise TypeError("optimizer_step(opt, closure): an optimizer given to tu.bf16_weights "
+                                "steps without a closure; step LBFGS-like optimizers in float32")
             if self.engine.replicas > 1:
                 self._first_step(opt)
                 closure = self._averaging(opt, closure)
@@ -185,9 +195,33 @@ class Replica:
 
     def shard_like(self, entries: Iterable[tuple]) -> None:
         """Keep the gradient and optimizer state of each (parameter, split) split as the
-        parameter is (tu.fsdp's parameters)."""
+        parameter is (tu.fsdp's parameters), and its float32 copy, if it has one."""
+        from .compat import mark_sharding
+        copies = {id(w): m for pairs in self._masters.values() for m, w in pairs}
         for p, op in entries:
             self._splits[id(p)], self._split_ops[id(p)] = p, op
+            master = copies.get(id(p))
+            if master is not None:
+                mark_sharding(master, op)
+                self._splits[id(master)], self._split_ops[id(master)] = master, op
+
+    def masters_of(self, opt) -> list:
+        """(float32 copy, bfloat16 weight) pairs `opt` steps (tu.bf16_weights); [] if none."""
+        return self._masters.get(opt, [])
+
+    def keep_masters(self, opt, pairs: list) -> None:
+        """Have `optimizer_step` step `opt`'s float32 copies of the model's bfloat16 weights:
+        gradients moved to the copies before, the copies rounded into the weights after.
+        A weight split by tu.fsdp before keeps its split, and its copy is split alike."""
+        from .compat import mark_sharding, sharded
+        self._masters[opt] = pairs
+        for master, weight in pairs:
+            if self._splits.get(id(weight)) is weight:
+                op = self._split_ops[id(weight)]
+                if not sharded(weight):  # model.to(bfloat16) gave it new, unannotated data
+                    mark_sharding(weight, op)
+                mark_sharding(master, op)
+                self._splits[id(master)], self._split_ops[id(master)] = master, op
 
     def _split_like_parameters(self, tensors: list, params: list) -> None:
         """Annotate each tensor (a gradient, a state) shaped as its split parameter with
@@ -209,7 +243,7 @@ class Replica:
             params = [p for p in _params(opt) if p in opt.state]
             for key in {k for p in params for k in opt.state[p]}:
                 self._split_like_parameters([opt.state[p].get(key) for p in params], params)
-        measured = memory.measure(opt, device)
+        measured = memory.measure(opt, device, masters=self._masters.get(opt, ()))
         if self.memory is None:
             self.memory = measured
         memory.check(measured)
@@ -394,6 +428,24 @@ def prefer_foreach(opt) -> None:
         if group.get("foreach", False) is None and not any(
                 group.get(k) for k in ("fused", "capturable", "differentiable")):
             group["foreach"] = True
+
+
+def _gradients_to_masters(pairs: list) -> None:
+    """Each bfloat16 weight's gradient, in float32, as its copy's; the weight's dropped (a
+    temporary of the step, not kept beside the copy's)."""
+    for master, weight in pairs:
+        if weight.grad is not None:
+            master.grad = weight.grad.to(master.dtype)
+            weight.grad = None
+
+
+def _masters_to_weights(pairs: list) -> None:
+    """The stepped copies rounded into the weights; the copies' gradients dropped."""
+    import torch
+    with torch.no_grad():
+        for master, weight in pairs:
+            weight.copy_(master)
+            master.grad = None
 
 
 def _params(opt) -> list:

@@ -1,0 +1,119 @@
+"""`tu.bf16_weights(model, optimizer)`: the model's weights in bfloat16, the optimizer
+stepping float32 master copies of them.
+
+A bfloat16 weight keeps 8 bits of mantissa: an update smaller than 1/256 of the weight
+rounds away, so AdamW stepping bfloat16 weights itself (its moments bfloat16 too, made
+like the weights) stops learning at small learning rates, silently. Here the optimizer
+steps float32 copies instead; each step the model's bfloat16 gradients become the copies'
+(float32, then averaged), and the copies, rounded, become the weights. The forward and
+backward run in bfloat16 on the device with no casts (weights gathered by `tu.fsdp` are
+half the bytes); the copies and the optimizer's state stay float32.
+
+Per parameter that is 2 bytes of weight, 2 of gradient (between backward and step), and 4
+of master copy plus the optimizer's own (AdamW: 8): as many bytes as float32 training
+keeps, laid out otherwise; what falls is the activations and the compiled step's peak
+(docs/measured.md). The copies are the optimizer's parameters, so `tu.fsdp` splits them
+as it splits the weights, and its `state_dict()` carries them (under "fp32_masters"):
+`checkpoint=`, `save_best=` and `tu.save(optimizer.state_dict())` resume exactly.
+The replica (replica.py) moves the gradients and the values at each `optimizer_step`.
+"""
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, List, Tuple
+
+if TYPE_CHECKING:
+    import torch
+
+KEY = "fp32_masters"
+
+
+def bf16_weights(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer") -> "torch.nn.Module":
+    """Keep `model` in bfloat16 and have `optimizer` step float32 master copies of its
+    weights; returns `model`.
+
+    Call it once, after the optimizer is made (and after `tu.fsdp(model)`, if used). The
+    model's floating parameters and buffers become bfloat16 (`model.to(torch.bfloat16)`),
+    and floating tensors given to its forward are cast to bfloat16 on the way in. Step with
+    `tu.optimizer_step(optimizer)` (or train_one_cycle): it moves the gradients to the
+    copies, steps them and writes them back rounded. Updates far below a weight's bfloat16
+    resolution add up in the copies, as in float32 training (tests/test_bf16_weights.py).
+
+    Example:
+        >>> import torch, tpu_utility as tu
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> _ = tu.bf16_weights(model, opt)
+        >>> model.weight.dtype, opt.param_groups[0]["params"][0].dtype
+        (torch.bfloat16, torch.float32)
+
+    Args:
+        model: the torch module to train, on this run's device.
+        optimizer: its optimizer, made over `model.parameters()` (or groups of them).
+    """
+    import torch
+    from .replica import current
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"bf16_weights(model, optimizer): pass the torch module first, got "
+                        f"{type(model).__name__}")
+    if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
+        raise TypeError(f"bf16_weights(model, optimizer): pass the torch optimizer second, got "
+                        f"{type(optimizer).__name__}")
+    replica = current()
+    if replica.masters_of(optimizer):
+        raise RuntimeError("bf16_weights(model, optimizer): this optimizer already steps float32 "
+                           "copies; call it once per optimizer")
+    owned = {id(p) for p in model.parameters()}
+    pairs: List[Tuple["torch.Tensor", "torch.Tensor"]] = []
+    for group in optimizer.param_groups:
+        for i, p in enumerate(group["params"]):
+            if id(p) not in owned or not p.is_floating_point():
+                continue
+            master = torch.nn.Parameter(p.detach().to(torch.float32, copy=True),
+                                        requires_grad=p.requires_grad)
+            group["params"][i] = master
+            if p in optimizer.state:  # a step taken before: its state follows the copy
+                optimizer.state[master] = optimizer.state.pop(p)
+            pairs.append((master, p))
+    if not pairs:
+        raise ValueError("bf16_weights(model, optimizer): the optimizer holds none of the model's "
+                         "floating parameters: make it over model.parameters()")
+    model.to(torch.bfloat16)  # in place: the optimizer's old parameters are these objects
+    replica.keep_masters(optimizer, pairs)
+    optimizer.register_state_dict_post_hook(functools.partial(_save, pairs))
+    optimizer.register_load_state_dict_pre_hook(functools.partial(_load, pairs))
+    model.register_forward_pre_hook(_inputs_to_bf16, with_kwargs=True)
+    return model
+
+
+def _save(pairs, optimizer, state_dict):
+    """The copies' values beside the optimizer's state (a plain optimizer ignores the key)."""
+    state_dict[KEY] = [m.detach() for m, _ in pairs]
+    return state_dict
+
+
+def _load(pairs, optimizer, state_dict):
+    """The saved copies put back; a state dict without them (saved before bf16_weights, or
+    by a plain optimizer) leaves copies of the weights as they are now."""
+    import torch
+    saved = state_dict.get(KEY)
+    if saved is not None and len(saved) != len(pairs):
+        raise ValueError(f"optimizer.load_state_dict: the state dict holds {len(saved)} float32 "
+                         f"master copies and this optimizer {len(pairs)}: load the state of "
+                         f"the same model and optimizer")
+    with torch.no_grad():
+        for i, (master, weight) in enumerate(pairs):
+            master.copy_(saved[i] if saved is not None else weight)
+    return state_dict
+
+
+def _inputs_to_bf16(module, args, kwargs):
+    """Floating tensors given to the forward, in bfloat16 (ids, masks and labels of an
+    integer type pass as they are)."""
+    import torch
+
+    def cast(x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.bfloat16:
+            return x.to(torch.bfloat16)
+        return x
+    return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
