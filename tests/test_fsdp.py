@@ -14,7 +14,7 @@ def test_fsdp_splits_each_large_weight_equals_the_unsplit_run_and_fits_where_it_
     # split, 0.6 MB. The compiled step's peak (activations and all) is more: report() says so.
     saved = str(tmp_path / "split.pt")
     r = run_script(f"""
-        import functools, json, os, torch
+        import contextlib, functools, io, json, os, torch
         import tpu_utility as tu, big_fns
         from reference import max_param_diff
 
@@ -35,6 +35,9 @@ def test_fsdp_splits_each_large_weight_equals_the_unsplit_run_and_fits_where_it_
             except MemoryError as e:
                 too_big = str(e)
             split = go(split=True, save={saved!r})
+            shown = io.StringIO()
+            with contextlib.redirect_stdout(shown):
+                tu.doctor()  # after the run, in its process (a notebook's next cell)
             both = go(split=True, checkpointing="hf", bf16=True)  # with checkpointing, under bf16
             model = big_fns.bert()
             model.load_state_dict(torch.load({saved!r}, weights_only=True))
@@ -47,7 +50,7 @@ def test_fsdp_splits_each_large_weight_equals_the_unsplit_run_and_fits_where_it_
                 "loaded": max_param_diff(split["state"], model.state_dict()),
                 "split": split["split"], "numel": split["numel"], "state_split": split["state_split"],
                 "memory": [plain["memory"], split["memory"]], "report": split["report"],
-                "too_big": too_big, "fused": [plain["fused_took_it"], split["fused_took_it"]],
+                "too_big": too_big, "doctor": shown.getvalue(), "fused": [plain["fused_took_it"], split["fused_took_it"]],
                 "one_core": tu.run(refused, cores=1, start_method="fork")}}))
     """, timeout=400).result
     big = [n for n, k in r["numel"].items() if k >= 32768]
@@ -86,4 +89,8 @@ def test_fsdp_splits_each_large_weight_equals_the_unsplit_run_and_fits_where_it_
     assert (f"memory per device: parameters {p / 1e3:.2f} kB, gradients {p / 1e3:.2f} kB, "
             f"optimizer state {2 * p / 1e3:.2f} kB; the compiled step's peak") in r["report"], r
     assert "(of 1.05 MB)" in r["report"] and "hint: the compiled step needs" in r["report"], r
+    # doctor, after the run in the same process, gives what the run measured, with its peak
+    shown = [line for line in r["doctor"].splitlines() if line.startswith("  last run")]
+    assert len(shown) == 1 and f"memory per device: parameters {p / 1e3:.2f} kB" in shown[0], r["doctor"]
+    assert "the compiled step's peak" in shown[0], r["doctor"]
     assert "SPMD" in r["one_core"] and "cores=" in r["one_core"], r

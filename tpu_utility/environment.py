@@ -446,6 +446,10 @@ def doctor(*, env: Optional[MutableMapping[str, str]] = None, sysfs: str = "/sys
         print(f"  host RAM        {ram:.1f} GiB, {per_core:.1f} GiB per core; per-core batch "
               f"ceiling about {batch_ceiling(per_core)} for 3x224x224 float32 inputs")
     print(f"  device memory   {device_memory_line(chips, devices, env)}")
+    from .memory import last
+    ran = last()
+    if ran is not None:  # a run in this process (a notebook's): what it measured
+        print(f"  last run        {ran}")
     print("  start method    notebooks: fork (run() picks it); scripts: spawn, so guard them "
           "with `if __name__ == \"__main__\":`")
     for p in problems:

@@ -24,7 +24,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from . import engines, exits, replica
+from . import engines, exits, memory, replica
 from .children import descendants, die_with_parent, kill
 from .compat import FUNCTIONALIZATION_ENV, functionalization_on, runtime_started
 from .checkpoint import on_cpu
@@ -191,8 +191,10 @@ def run_replicas(train_fn: Callable[..., Any], cores: int, args: Sequence[Any], 
                 p.start()
             previous = signal.getsignal(signal.SIGTERM)
             with on_sigterm(functools.partial(_on_sigterm, board, previous)):
-                return _collect(procs, results, expected, timeout, start_method, board, watch,
-                                stages, outbox)
+                out = _collect(procs, results, expected, timeout, start_method, board, watch,
+                               stages, outbox)
+            memory.note_from(os.path.join(outbox, MEMORY_FILE))  # for doctor, after the run
+            return out
         finally:
             _stop(procs)
             shutil.rmtree(outbox, ignore_errors=True)
@@ -473,6 +475,9 @@ def _process_main(launch: _Launch, local_rank: int) -> None:
         _report_error(launch.results, launch.outbox, local_rank, e)
 
 
+MEMORY_FILE = "memory.json"  # the master replica's memory per device, to the caller
+
+
 def _replica_main(launch: _Launch, beat, local_rank: int, engine) -> None:
     import torch
     results, outbox = launch.results, launch.outbox
@@ -490,6 +495,9 @@ def _replica_main(launch: _Launch, beat, local_rank: int, engine) -> None:
                 out = me.check_record()
             out = on_cpu(out)()  # a returned model comes back as a CPU copy
             path = None
+            if engine.rank == 0 and me.memory is not None:  # what it measured, for doctor
+                ran = memory.with_peak(me.memory)
+                atomic_write(os.path.join(outbox, MEMORY_FILE), lambda f: f.write(memory.to_json(ran)))
             if engine.rank == 0:  # before the others leave: a result that cannot travel says so
                 path = os.path.join(outbox, "result.pt")
                 try:

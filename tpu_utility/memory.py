@@ -12,6 +12,7 @@ The limit is the runtime's (a TPU's HBM per device); XLA:CPU has none, and
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import re
 import shutil
@@ -24,6 +25,7 @@ _FIX = ("split the weights over the devices with tu.fsdp(model) (all cores), tur
         "checkpointing (model.gradient_checkpointing_enable()), keep the weights in bfloat16, "
         "or use a smaller batch")
 _FILE: List[Optional[str]] = [None]
+_LAST: List[Optional["Memory"]] = [None]  # this process's latest run's, for doctor (`note`)
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,33 @@ def measure(opt, device, masters=(), env=os.environ) -> Memory:
     peaks = compiled_peaks()
     return Memory(device_bytes(params), device_bytes(grads), device_bytes(state),
                   peak=max(peaks) if peaks else None, limit=limit(device, env))
+
+
+def note(memory: Memory) -> None:
+    """Keep a run's memory, measured at its first step, for `doctor` after the run (the
+    replica's record ends with its run): written by the replica that measured it, and by
+    `note_from` in the caller of a run whose replicas were other processes."""
+    _LAST[0] = memory
+
+
+def to_json(memory: Memory) -> bytes:
+    """`memory` as `note_from` reads it."""
+    return json.dumps(vars(memory)).encode()
+
+
+def note_from(path: str) -> None:
+    """`note` what a run's master replica wrote to `path` (`to_json`), if it wrote it."""
+    try:
+        with open(path, "rb") as f:
+            note(Memory(**json.loads(f.read())))
+    except FileNotFoundError:  # no optimizer step, or not measured
+        pass
+
+
+def last() -> Optional[Memory]:
+    """The memory this process's latest run measured (None: none yet, or its replicas ran in
+    other processes), with the largest compiled program's peak so far."""
+    return with_peak(_LAST[0])
 
 
 def check(memory: Memory) -> None:

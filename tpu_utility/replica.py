@@ -246,6 +246,7 @@ class Replica:
         measured = memory.measure(opt, device, masters=self._masters.get(opt, ()))
         if self.memory is None:
             self.memory = measured
+            memory.note(measured)
         memory.check(measured)
 
     def _count_step(self, opt) -> None:
