@@ -65,3 +65,38 @@ def test_checkpointing_off_xla_is_torchs_own_after_install(reentrant):
     recompute.install()
     after = grads()
     assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_install_from_replica_threads_at_once(run_script):
+    # The "launch" engine's replicas are threads of one process (one per device) that ask
+    # for the device at once; each installs. Unlocked, all but one could fail with torch's
+    # "The runtime module of 'xla' has already been registered" (seen once in CI). The race
+    # is narrow: threads switch every microsecond here, over 10 fresh starts (torch.xla
+    # unregistered and install's flag cleared before each).
+    out = run_script("""
+        import json, sys, threading, torch
+        from tpu_utility import recompute
+        sys.setswitchinterval(1e-6)
+        errors = []
+
+        def install(start):
+            start.wait()
+            try:
+                recompute.install()
+            except Exception as e:
+                errors.append(repr(e))
+
+        for attempt in range(10):
+            if hasattr(torch, "xla"):
+                delattr(torch, "xla")
+                sys.modules.pop("torch.xla", None)
+            recompute._INSTALLED = False
+            start = threading.Barrier(8)
+            threads = [threading.Thread(target=install, args=(start,)) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        print("RESULT", json.dumps({"errors": errors[:3], "module": hasattr(torch, "xla")}))
+    """).result
+    assert out == {"errors": [], "module": True}, out

@@ -34,6 +34,7 @@ import types
 from typing import Any, List, Optional
 
 _INSTALLED = False
+_INSTALLING = threading.Lock()  # replica threads (one per device) ask for the device at once
 _LOCAL = threading.local()  # what a block's recomputation ties to, handed over as torch runs it
 
 
@@ -51,18 +52,19 @@ def install() -> None:
         (none)
     """
     global _INSTALLED
-    if _INSTALLED:
-        return
-    import torch
-    import torch.utils.checkpoint as tuc
-    if not hasattr(torch, "xla"):
-        torch._register_device_module("xla", _device_module())
-    tuc.CheckpointFunction = _reentrant(tuc.CheckpointFunction)
-    tuc.detach_variable = _tied_detach(tuc.detach_variable)
-    tuc._checkpoint_without_reentrant_generator = _non_reentrant(
-        tuc._checkpoint_without_reentrant_generator)
-    tuc._CheckpointFrame = _frame(tuc._CheckpointFrame)
-    _INSTALLED = True
+    with _INSTALLING:
+        if _INSTALLED:
+            return
+        import torch
+        import torch.utils.checkpoint as tuc
+        if not hasattr(torch, "xla"):
+            torch._register_device_module("xla", _device_module())
+        tuc.CheckpointFunction = _reentrant(tuc.CheckpointFunction)
+        tuc.detach_variable = _tied_detach(tuc.detach_variable)
+        tuc._checkpoint_without_reentrant_generator = _non_reentrant(
+            tuc._checkpoint_without_reentrant_generator)
+        tuc._CheckpointFrame = _frame(tuc._CheckpointFrame)
+        _INSTALLED = True
 
 
 def _device_module() -> types.ModuleType:
