@@ -175,8 +175,8 @@ def note_from(path: str) -> None:
 
 
 def last() -> Optional[Memory]:
-    """The memory this process's latest run measured (None: none yet, or its replicas ran in
-    other processes), with the largest compiled program's peak so far."""
+    """The memory this process's latest run measured, in this process or in its replicas'
+    (None: no run measured one yet), with the largest compiled program's peak so far."""
     return with_peak(_LAST[0])
 
 

@@ -220,8 +220,7 @@ class Replica:
                 op = self._split_ops[id(weight)]
                 if not sharded(weight):  # model.to(bfloat16) gave it new, unannotated data
                     mark_sharding(weight, op)
-                mark_sharding(master, op)
-                self._splits[id(master)], self._split_ops[id(master)] = master, op
+                self.shard_like([(master, op)])
 
     def _split_like_parameters(self, tensors: list, params: list) -> None:
         """Annotate each tensor (a gradient, a state) shaped as its split parameter with
