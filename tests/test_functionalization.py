@@ -93,6 +93,16 @@ def test_the_switch_and_the_check(run_script):
                 return F.affine_grid(theta, (x.shape[0], 1, 4, 4), align_corners=False).sum()
             steps(loss)
 
+        def by_hand():
+            # opt.step() in place of tu.optimizer_step: the check sees no step to compare
+            torch.manual_seed(0)
+            model = nn.Linear(16, 6).to(tu.get_device())
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for x, y in tu.make_loader(data(), 256, num_workers=0):
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+
         if __name__ == "__main__":
             out = {"default": tu.run(functional, cores=1, start_method="fork"),
                    "off": tu.run(functional, cores=1, start_method="fork", functionalization=False)}
@@ -112,6 +122,10 @@ def test_the_switch_and_the_check(run_script):
                 out[name] = {"equal": r.equal, "steps": r.steps, "tensors": r.tensors,
                              "differing": list(r.differing), "error": r.error,
                              "host_ms": list(r.host_ms), "text": str(r)}
+            try:
+                out["by hand"] = tu.check_functionalization(by_hand, steps=6, start_method="fork")
+            except ValueError as e:
+                out["by hand"] = str(e)
             # This process now starts the XLA runtime: no fresh processes can follow.
             torch.ones(1).to(tu.get_device()).cpu()
             for name, call in (("check here", lambda: tu.check_functionalization(functional)),
@@ -143,6 +157,9 @@ def test_the_switch_and_the_check(run_script):
     assert not f["equal"] and f["differing"] == [], f
     assert "XLA_DISABLE_FUNCTIONALIZATION" in f["error"] and "F.affine_grid(theta" in f["error"], f
     assert f["text"].startswith("Without functionalization this train_fn fails"), f
+    # Stepped with opt.step(): refused, not "all 0 tensors bit-equal after 0 steps" (3d4ad59)
+    assert isinstance(r["by hand"], str) and "took no step through tu.optimizer_step" in r["by hand"] \
+        and "in place of opt.step()" in r["by hand"], r["by hand"]
     # After the caller used the device, both refuse before running anything.
     assert "already started the XLA runtime" in r["check here"], r
     assert r["run here"].startswith("run(functionalization=False) starts fresh processes"), r

@@ -114,6 +114,11 @@ def check_functionalization(train_fn: Callable[..., Any], cores: int = 1,
                    stall_timeout=None, check_steps=steps)
     t0 = time.perf_counter()
     on = run_replicas(train_fn, cores, args, functionalization=True, **options)
+    if not on["steps"]:  # opt.step() by hand: nothing to compare, and "equal" would be a lie
+        raise ValueError("check_functionalization: train_fn took no step through "
+                         "tu.optimizer_step (or train_one_cycle, lr_find, tu.GradScaler), so "
+                         "there was nothing to compare: call tu.optimizer_step(opt) in place of "
+                         "opt.step()")
     t1 = time.perf_counter()
     error = None
     try:
