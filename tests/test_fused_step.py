@@ -123,6 +123,7 @@ def cases():
         out[name] = {"equal": same(mine["params"], torchs["params"]),
                      "ops": [mine["ops"], torchs["ops"]]}
     out["hook calls"] = len(hooked)
+    out["habits"] = habits()
     # an LR scheduler wraps opt.step: the step still fuses, and the schedule is torch's
     results = []
     for mine in (True, False):
@@ -145,6 +146,51 @@ def cases():
     return out
 
 
+def habits():
+    """Optimizers written as on CUDA, stepped through tu.optimizer_step on XLA and by torch
+    on the CPU: a weight listed twice (torch updates it twice), a tensor lr, and a group
+    added after the first steps (which must fuse too: ops traced per step)."""
+    import warnings
+
+    def run(where, mine, make):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(4, 3).to(where)
+        opt, more = make(m)
+        g = torch.Generator().manual_seed(2)
+        ops = []
+        for i in range(6):
+            if i == 2 and more is not None:
+                extra = torch.nn.Parameter(torch.ones(5, device=where))
+                opt.add_param_group(dict(params=[extra], lr=1e-2))
+            for p in [p for group in opt.param_groups for p in group["params"]]:
+                p.grad = torch.randn(p.shape, generator=g).to(where)
+            start = traced_ops()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch's warning about the duplicate
+                tu.optimizer_step(opt) if mine else opt.step()
+            ops.append(traced_ops() - start)
+        params = [p for group in opt.param_groups for p in group["params"]]
+        return tu.to_cpu(params), ops, [g.get("foreach") for g in opt.param_groups]
+
+    makes = {
+        "listed twice": lambda m: (torch.optim.Adam([m.weight, m.weight, m.bias], lr=1e-2), None),
+        "tensor lr": lambda m: (torch.optim.Adam(m.parameters(), lr=torch.tensor(0.01)), None),
+        "group added": lambda m: (torch.optim.Adam(m.parameters(), lr=1e-2), True),
+    }
+    out = {}
+    for name, make in makes.items():
+        mine, ops, foreach = run(tu.get_device(), True, make)
+        cpu, _, _ = run("cpu", False, make)
+        once = None
+        if name == "listed twice":  # what a step that writes the duplicate once would give
+            once, _, _ = run("cpu", False, lambda m: (torch.optim.Adam(m.parameters(), lr=1e-2), None))
+        out[name] = {"diff": max((a - b).abs().max().item() for a, b in zip(mine, cpu)),
+                     "vs once": None if once is None else
+                     (mine[0] - once[0]).abs().max().item(),
+                     "ops": ops, "foreach": foreach}
+    return out
+
+
 def check(result, fallbacks):
     for name in CONFIGS:
         r = result[name]
@@ -163,6 +209,15 @@ def check(result, fallbacks):
         sched = result["scheduler"]
         assert sched["equal"] and sched["ops"][0] == [0, 0, 0], sched
         assert min(sched["ops"][1]) >= 6, sched
+        h = result["habits"]
+        # 3d4ad59: the weight listed twice moved once per step (0.066 off after 6 Adam steps);
+        # a tensor lr failed ("lr as a Tensor is not supported ... foreach=True")
+        for name in ("listed twice", "tensor lr", "group added"):
+            assert h[name]["diff"] < 1e-6, (name, h[name])
+        assert h["listed twice"]["vs once"] > 1e-2, h["listed twice"]
+        # the added group steps fused as well: from its lowering on, nothing traced one by one
+        assert h["group added"]["foreach"] == [True, True], h["group added"]
+        assert h["group added"]["ops"][4:] == [0, 0], h["group added"]
 
 
 def test_fused_steps_are_torchs_foreach_steps(run_script):

@@ -171,8 +171,11 @@ class Replica:
             if len(self._splits):
                 self._split_like_parameters([p.grad for p in _params(opt)], _params(opt))
             device = self.engine.device()
-            if step_kwargs or not fused_step.step(opt, device):
-                with as_copies(device):
+            # A weight listed twice: torch's own in-place step updates it twice, as on CPU;
+            # the fused step and the copies (as_copies) would write the same value twice.
+            twice = _listed_twice(opt)
+            if twice or step_kwargs or not fused_step.step(opt, device):
+                with contextlib.nullcontext() if twice else as_copies(device):
                     out = opt.step(**step_kwargs)
             else:
                 out = None  # what opt.step() returns without a closure
@@ -354,14 +357,14 @@ class Replica:
         whose parameters are elsewhere than this device and got no gradient (it was made
         before `model.to(device)`); parameters with gradients elsewhere are trained there
         on purpose. On XLA, have it step with torch's foreach implementation where the
-        user left `foreach` unset (`prefer_foreach`)."""
+        user left `foreach` unset (`prefer_foreach`), its groups added later too."""
+        device = self.engine.device()
         if opt not in self._checked_opts:
-            device = self.engine.device()
             if device.type != "cpu":
                 check_optimizer_device(_params(opt), device, gradless_only=True)
-            if device.type == "xla":
-                prefer_foreach(opt)
             self._checked_opts.add(opt)
+        if device.type == "xla":  # each step: a group added by add_param_group comes unset
+            prefer_foreach(opt)
 
     def _first_step(self, opt) -> None:
         """Before `opt`'s first step: its parameters made the master's on every replica."""
@@ -421,13 +424,31 @@ def prefer_foreach(opt) -> None:
     host time per step (Adam about 0.5 ms per parameter tensor). With foreach the whole
     step took 0.72-0.79x of the host CPU inside train_one_cycle, with bit-equal results
     (XLA_NOTES.md). Groups with `fused`, `capturable` or `differentiable` set are left
-    alone (torch refuses foreach with them on XLA), as is an explicit `foreach=False`."""
-    if "foreach" not in getattr(opt, "defaults", {}):
+    alone (torch refuses foreach with them on XLA), as is an explicit `foreach=False`, and
+    groups with a tensor among their numbers (`lr=torch.tensor(0.01)`: torch's foreach
+    step refuses a tensor lr without `capturable`). An optimizer that lists a weight twice
+    is left as it is: torch's foreach and per-parameter steps update such a weight
+    differently, and the CPU takes the per-parameter one."""
+    if "foreach" not in getattr(opt, "defaults", {}) or _listed_twice(opt):
         return  # LBFGS, SparseAdam, an optimizer of the user's own
     for group in opt.param_groups:
         if group.get("foreach", False) is None and not any(
-                group.get(k) for k in ("fused", "capturable", "differentiable")):
+                group.get(k) for k in ("fused", "capturable", "differentiable")) and not any(
+                _holds_tensor(v) for k, v in group.items() if k != "params"):
             group["foreach"] = True
+
+
+def _holds_tensor(value) -> bool:
+    import torch
+    return isinstance(value, torch.Tensor) or (
+        isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value))
+
+
+def _listed_twice(opt) -> bool:
+    """Whether a parameter appears more than once in `opt`'s groups (a tied weight listed
+    twice): torch then updates it once per listing."""
+    n = sum(len(g["params"]) for g in opt.param_groups)
+    return n > 1 and len({id(p) for g in opt.param_groups for p in g["params"]}) < n
 
 
 def _gradients_to_masters(pairs: list) -> None:
@@ -449,7 +470,9 @@ def _masters_to_weights(pairs: list) -> None:
 
 
 def _params(opt) -> list:
-    return [p for g in opt.param_groups for p in g["params"]]
+    """`opt`'s parameters, each once (a parameter listed twice is averaged once)."""
+    every = [p for g in opt.param_groups for p in g["params"]]
+    return list({id(p): p for p in every}.values()) if _listed_twice(opt) else every
 
 
 def _grads(params) -> list:
