@@ -444,3 +444,45 @@ def test_make_loader_refuses_worker_counts_and_seeds_of_the_wrong_kind(kwargs, e
     with pytest.raises(error) as info:
         tu.make_loader(ds, 4, **kwargs)
     assert str(info.value) == message
+
+
+# -- NumPy numbers, as torch takes them (issue 47) ---------------------------------------------
+
+def numpy_numbers(numbers):
+    """train_one_cycle on make_loader with every count and size given as `numbers` makes
+    them: NumPy's scalars (a config read with np.load, an arange) or Python's."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    ds = torch.utils.data.TensorDataset(torch.randn(64, 4, generator=g),
+                                        torch.randint(0, 3, (64,), generator=g))
+    model = nn.Linear(4, 3).to(tu.get_device())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loader = tu.make_loader(ds, numbers.int(16), num_workers=numbers.int(2),
+                            prefetch_factor=numbers.int(2), seed=numbers.int(7))
+    tu.train_one_cycle(model, loader, opt, nn.functional.cross_entropy,
+                       epochs=numbers.int(2), max_lr=numbers.float(0.05),
+                       clip=numbers.float(1.0), grad_accum=numbers.int(1), progress=False)
+    spec = loader.spec
+    return {"weights": [p.detach().cpu() for p in model.parameters()],
+            "types": [type(v).__name__ for v in (spec.batch_size, spec.num_workers, spec.seed)]}
+
+
+class _Python:
+    int, float = int, float
+
+
+class _NumPy:
+    int, float = np.int64, np.float32
+
+
+def test_numpy_numbers_are_taken_where_python_numbers_are():
+    # 3d4ad59: run(cores=np.int64(1)), num_workers/prefetch_factor/seed=np.int64(...) and
+    # clip=np.float32(1.0) were each refused ("must be an int", "a positive number").
+    numpy = tu.run(numpy_numbers, cores=np.int64(1), args=(_NumPy,), engine="distributed",
+                   start_method="fork", timeout=np.int64(120))
+    python = run(numpy_numbers, 1, _Python)
+    assert numpy["types"] == ["int", "int", "int"]  # kept as ints: JSON and pickle stay plain
+    # max_lr is np.float32(0.05) there, so the schedule differs from 0.05 in the 9th digit
+    for a, b in zip(numpy["weights"], python["weights"]):
+        assert torch.allclose(a, b, atol=1e-6), (a, b)
+    assert tu.scale_lr_bs(1e-3, np.int64(32), cores=np.int64(8), verbose=False).global_batch_size == 256

@@ -214,8 +214,8 @@ def cache_dataset(dataset, path: PathLike, *, copies: int = 1, key: str = "",
         (20, True, 1)
     """
     from .checks import check_int
-    check_int(copies, "copies", who="cache_dataset")
-    check_int(workers, "workers", low=0, who="cache_dataset")
+    copies = check_int(copies, "copies", who="cache_dataset")
+    workers = check_int(workers, "workers", low=0, who="cache_dataset")
     if not isinstance(key, str):
         raise TypeError(f"cache_dataset: key must be a str, got {type(key).__name__}")
     path, n = os.path.abspath(path), len(dataset)

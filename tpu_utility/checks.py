@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Iterable, Optional
 
 
 def check_int(value: Any, name: str, *, low: int = 1, high: Optional[int] = None,
-              who: str = "", why: str = "", none_ok: bool = False) -> None:
-    """Refuse anything but an int in [low, high] (bools too), naming the argument.
+              who: str = "", why: str = "", none_ok: bool = False) -> Optional[int]:
+    """Refuse anything but an integer in [low, high] (bools too), naming the argument;
+    return it as a Python int. NumPy's integers pass, as torch takes them (`np.int64(2)`
+    from a config or an arange), and come back as ints, which JSON and pickle keep as such.
 
     Example:
         >>> check_int(0, "epochs")
@@ -20,19 +23,21 @@ def check_int(value: Any, name: str, *, low: int = 1, high: Optional[int] = None
         ValueError: num_it must be an int >= 30 (the suggestions need 30 points), got 5
     """
     if value is None and none_ok:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low or (
             high is not None and value > high):
         bound = (f"an int in {low}..{high}" if high is not None
                  else "a positive int" if low == 1 else f"an int >= {low}")
         or_none = " or None" if none_ok else ""
         prefix = f"{who}: " if who else ""
         raise ValueError(f"{prefix}{name} must be {bound}{or_none}{why}, got {value!r}")
+    return int(value)
 
 
 def check_positive(value: Any, name: str, *, who: str = "", why: str = "",
-                   none_ok: bool = False) -> None:
-    """Refuse anything but a finite number > 0 (bools too), naming the argument.
+                   none_ok: bool = False) -> Optional[float]:
+    """Refuse anything but a finite number > 0 (bools too), naming the argument; return
+    it as a Python int or float (NumPy's scalars pass, as in check_int).
 
     Example:
         >>> check_positive(0, "clip", none_ok=True, why=" (0 would zero every gradient)")
@@ -41,12 +46,13 @@ def check_positive(value: Any, name: str, *, who: str = "", why: str = "",
         ValueError: clip must be a positive number or None (0 would zero every gradient), got 0
     """
     if value is None and none_ok:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
             or value <= 0:
         or_none = " or None" if none_ok else ""
         prefix = f"{who}: " if who else ""
         raise ValueError(f"{prefix}{name} must be a positive number{or_none}{why}, got {value!r}")
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
 
 
 def check_optimizer_device(params: Iterable[Any], device: Any, who: str = "", *,

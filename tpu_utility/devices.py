@@ -248,8 +248,8 @@ def scale_lr_bs(lr: float, batch_size: int, cores: Optional[int] = None,
             from .environment import setup_tpu
             info = setup_tpu(verbose=False)
             cores = info.num_devices if info.has_xla else max(1, info.cuda_devices)
-    check_int(cores, "cores")
-    check_int(batch_size, "batch_size", why=" (per core)")
+    cores = check_int(cores, "cores")
+    batch_size = check_int(batch_size, "batch_size", why=" (per core)")
     factor = cores if rule == "linear" else math.sqrt(cores)
     out = Scaled(lr * factor, batch_size, batch_size * cores, cores)
     if verbose:

@@ -18,6 +18,7 @@ reduce-scatters them), the state an optimizer makes in its first step annotated 
 """
 from __future__ import annotations
 
+import numbers
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -52,8 +53,10 @@ def fsdp(model: "torch.nn.Module", *, min_elements: int = MIN_ELEMENTS) -> "torc
     from .replica import current
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fsdp(model): pass the torch module, got {type(model).__name__}")
-    if isinstance(min_elements, bool) or not isinstance(min_elements, int) or min_elements < 1:
+    if isinstance(min_elements, bool) or not isinstance(min_elements, numbers.Integral) \
+            or min_elements < 1:
         raise ValueError(f"fsdp(min_elements=...) must be a positive int, got {min_elements!r}")
+    min_elements = int(min_elements)
     replica = current()
     mesh = replica.engine.parameter_mesh()
     if mesh is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
+import numbers
 import os
 import pickle
 import queue as queue_mod
@@ -144,6 +145,7 @@ def run_replicas(train_fn: Callable[..., Any], cores: int, args: Sequence[Any], 
     stall_timeout = check_stall_timeout(stall_timeout)
     info = setup_tpu(verbose=False)
     cls = engines.choose(cores, info, engine)
+    cores = int(cores)  # NumPy's ints pass choose(); the engines get an int
     if cores > 1:
         print(engines.describe(cls, info, cores), flush=True)
     if start_method is not None and start_method not in cls.start_methods:
@@ -231,7 +233,7 @@ def _check_run_arguments(train_fn, args, start_method, timeout, functionalizatio
     if start_method not in (None, "fork", "spawn"):
         raise ValueError(f"run: start_method must be 'fork', 'spawn' or None (fork in notebooks, "
                          f"spawn in scripts), got {start_method!r}")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
                                 or not timeout > 0):
         raise ValueError(f"run: timeout must be a number of seconds > 0, or None, got {timeout!r}")
     if functionalization not in (None, True, False):

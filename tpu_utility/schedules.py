@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 # One-cycle and LR-finder schedules, with fastai's semantics (fastai/callback/schedule.py):
 # a schedule is a function of the position `pos` in [0, 1) through training.
@@ -51,7 +52,7 @@ def check_one_cycle(max_lrs, pct_start: float, div: float, div_final: float, mom
         ValueError: max_lr must be a positive number, got 0.0: with it nothing trains (try lr_find)
     """
     def number(x) -> bool:
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+        return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
     for lr in max_lrs:
         if not number(lr) or lr <= 0:
             raise ValueError(f"{lr_name} must be a positive number, got {lr!r}: with it nothing "

@@ -12,6 +12,7 @@ waits on, and stops them all.
 from __future__ import annotations
 
 import faulthandler
+import numbers
 import os
 import re
 import signal
@@ -85,7 +86,7 @@ def check_stall_timeout(stall_timeout) -> Optional[float]:
     """run's `stall_timeout`, checked: seconds > 0, or None (off; infinity too)."""
     if stall_timeout is None:
         return None
-    if isinstance(stall_timeout, bool) or not isinstance(stall_timeout, (int, float)) \
+    if isinstance(stall_timeout, bool) or not isinstance(stall_timeout, numbers.Real) \
             or not stall_timeout > 0:
         raise ValueError(f"run: stall_timeout must be a number of seconds > 0, or None to never "
                          f"stop a run that makes no progress, got {stall_timeout!r}")

@@ -139,7 +139,7 @@ def make_loader(data=None, batch_size: Optional[int] = None, shuffle: Optional[b
         raise TypeError(f"make_loader(generator=...) takes a torch.Generator (or None), got "
                         f"{type(generator).__name__}: for a seed, pass seed=")
     # 0: DataLoader's bare AssertionError (no message) at the first epoch
-    check_int(prefetch_factor, "prefetch_factor", who="make_loader", none_ok=True)
+    prefetch_factor = check_int(prefetch_factor, "prefetch_factor", who="make_loader", none_ok=True)
     if isinstance(data, torch.utils.data.IterableDataset):
         raise TypeError("make_loader needs a map-style Dataset (with __len__ and __getitem__) "
                         "so it can shard it over replicas; convert the IterableDataset to a list "

@@ -8,6 +8,7 @@ positions, so models that number positions from 0 (most) give the same outputs.
 """
 from __future__ import annotations
 
+import numbers
 from typing import Any, Mapping, Optional, Sequence, Union
 
 Buckets = Union[None, bool, Sequence[int]]
@@ -56,11 +57,12 @@ def check_buckets(buckets: Buckets) -> Buckets:
                         f"default lengths), True, False or a list of lengths such as "
                         f"[64, 128, 256], got {type(buckets).__name__}")
     lengths = tuple(buckets)
-    if not lengths or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in lengths) \
+    if not lengths or any(isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1
+                          for b in lengths) \
             or list(lengths) != sorted(set(lengths)):
         raise ValueError(f"make_loader(buckets={list(buckets)!r}): the lengths must be positive "
                          f"ints in increasing order, such as [64, 128, 256]")
-    return lengths
+    return tuple(int(b) for b in lengths)
 
 
 class Bucketed:

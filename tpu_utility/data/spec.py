@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
@@ -76,11 +77,13 @@ class LoaderSpec:
 
     def __post_init__(self) -> None:
         # Here rather than in make_loader alone: padded() and replace() make specs too.
-        check_int(self.batch_size, "batch_size", why=" (per core)")
-        check_int(self.num_workers, "num_workers", low=0, who="make_loader", none_ok=True)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+        object.__setattr__(self, "batch_size", check_int(self.batch_size, "batch_size", why=" (per core)"))
+        object.__setattr__(self, "num_workers", check_int(self.num_workers, "num_workers", low=0,
+                                                          who="make_loader", none_ok=True))
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
             raise TypeError(f"make_loader: seed must be an int (it seeds each epoch's order), "
                             f"got {self.seed!r}")
+        object.__setattr__(self, "seed", int(self.seed))
         if self.pad and self.drop_last:
             raise ValueError("pad=True keeps every sample: use it with train=False or "
                              "drop_last=False")

@@ -18,6 +18,7 @@ plus one line in REGISTRY. Importing this package imports no torch.
 """
 from __future__ import annotations
 
+import numbers
 import os
 from typing import TYPE_CHECKING, Dict, Mapping, Optional, Type
 
@@ -48,8 +49,9 @@ def choose(cores: int, info: "TpuInfo", name: Optional[str] = None,
     TPU_UTILITY_ENGINE's in `env`; a ValueError says why not."""
     if name is not None and name not in REGISTRY:
         raise ValueError(f"engine must be one of {tuple(REGISTRY)} or None, got {name!r}")
-    if isinstance(cores, bool) or not isinstance(cores, int):
+    if isinstance(cores, bool) or not isinstance(cores, numbers.Integral):
         raise ValueError(f"cores must be an int, got {cores!r}")
+    cores = int(cores)
     named = "engine"
     if name is None and cores > 1 and env.get(ENGINE_VAR):
         name, named = env[ENGINE_VAR], ENGINE_VAR

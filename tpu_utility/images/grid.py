@@ -41,7 +41,7 @@ def show_batch(dataset_or_loader, n: int = 16, path: Optional[PathLike] = None, 
         304
     """
     from ..checks import check_int
-    check_int(n, "n", who="show_batch")
+    n = check_int(n, "n", who="show_batch")
     obj = dataset_or_loader
     samples = _first_samples(obj, n)
     if not samples:

@@ -95,15 +95,15 @@ def presize_images(src: Union[PathLike, Sequence[PathLike]], dst: PathLike, size
 def _check_options(size, quality, format, workers) -> Tuple[Optional[str], Optional[str], int]:
     """(Pillow format or None, extension or None, workers), or an error naming the argument."""
     from ..checks import check_int
-    check_int(size, "size", who="presize_images", why=" (pixels)")
-    check_int(quality, "quality", high=100, who="presize_images")
+    size = check_int(size, "size", who="presize_images", why=" (pixels)")
+    quality = check_int(quality, "quality", high=100, who="presize_images")
     if format is not None and str(format).lower() not in _FORMATS:
         raise ValueError(f"presize_images: format must be None (keep) or one of "
                          f"['jpeg', 'png', 'webp'], got {format!r}")
     fmt, ext = _FORMATS.get(str(format).lower(), (None, None))
     if workers is None:  # the cores this container may use, not the host's
         workers = len(os.sched_getaffinity(0))
-    check_int(workers, "workers", low=0, who="presize_images")
+    workers = check_int(workers, "workers", low=0, who="presize_images")
     return fmt, ext, workers
 
 

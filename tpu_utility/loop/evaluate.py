@@ -103,7 +103,7 @@ def predict(model, data, *, batch_size: Optional[int] = None, batch_fn: Optional
         [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]
     """
     import torch
-    check_int(batch_size, "batch_size", who="predict", why=" (per core)", none_ok=True)
+    batch_size = check_int(batch_size, "batch_size", who="predict", why=" (per core)", none_ok=True)
     loader = as_loader(data, train=False, name="data", pad=True, batch_size=batch_size)
     n = len(loader.dataset)
     check_model_device(model, get_device(), "predict")

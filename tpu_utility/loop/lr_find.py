@@ -161,9 +161,9 @@ def _check(start_lr, end_lr, num_it, check_every, suggest, rest: dict) -> _Sweep
     """Every refusal of lr_find's arguments, before any work."""
     if not (0 < start_lr < end_lr):
         raise ValueError(f"need 0 < start_lr < end_lr, got start_lr={start_lr:g}, end_lr={end_lr:g}")
-    check_int(num_it, "num_it", low=MIN_NUM_IT,
-              why=" (the suggestions drop the first 10% and the last 5 points)")
-    check_int(check_every, "check_every")
+    num_it = check_int(num_it, "num_it", low=MIN_NUM_IT,
+                       why=" (the suggestions drop the first 10% and the last 5 points)")
+    check_every = check_int(check_every, "check_every")
     unknown = set(suggest) - set(SUGGESTIONS)
     if unknown:
         raise ValueError(f"unknown suggestions {sorted(unknown)}: choose from {SUGGESTIONS}")

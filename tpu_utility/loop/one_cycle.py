@@ -140,15 +140,16 @@ class _Options:
     @classmethod
     def check(cls, a: Dict[str, Any]) -> "_Options":
         """Every refusal that needs neither the device nor the data, naming the fix."""
-        check_int(a["epochs"], "epochs")
-        check_int(a["grad_accum"], "grad_accum")
-        check_int(a["log_every"], "log_every", none_ok=True)
-        check_positive(a["clip"], "clip", none_ok=True,
+        a["epochs"] = check_int(a["epochs"], "epochs")
+        a["grad_accum"] = check_int(a["grad_accum"], "grad_accum")
+        a["log_every"] = check_int(a["log_every"], "log_every", none_ok=True)
+        a["clip"] = check_positive(a["clip"], "clip", none_ok=True,
                        why=" (the gradients' largest global norm; None: no clipping)")
         if a["checkpoint_every"] is not None and a["checkpoint"] is None:
             raise ValueError(f"checkpoint_every needs checkpoint=path, got checkpoint_every="
                              f"{a['checkpoint_every']!r}, checkpoint=None")
-        check_int(a["checkpoint_every"], "checkpoint_every", none_ok=True, why=" (optimizer steps)")
+        a["checkpoint_every"] = check_int(a["checkpoint_every"], "checkpoint_every", none_ok=True,
+                                          why=" (optimizer steps)")
         groups = a["opt"].param_groups
         max_lrs = tuple([a["max_lr"]] * len(groups) if a["max_lr"] is not None else [g["lr"] for g in groups])
         check_one_cycle(max_lrs, a["pct_start"], a["div"], a["div_final"], a["moms"],
@@ -160,8 +161,8 @@ class _Options:
                              f"(valid_loss and metrics need valid_loader)")
         mom_key = momentum_key(a["opt"]) if a["moms"] else None
         fields = {k: a[k] for k in cls.__dataclass_fields__ if k in a}
-        return cls(**{**fields, "max_lrs": max_lrs, "metrics": tuple(a["metrics"]),
-                      "names": tuple(names), "mom_key": mom_key,
+        return cls(**{**fields, "max_lrs": tuple(float(m) for m in max_lrs),
+                      "metrics": tuple(a["metrics"]), "names": tuple(names), "mom_key": mom_key,
                       "moms": tuple(a["moms"]) if a["moms"] else None})
 
 
