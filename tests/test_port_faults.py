@@ -58,6 +58,37 @@ def test_port_reads_a_script_with_a_byte_order_mark(tmp_path):
     compile((tmp_path / "bom_tpu.py").read_text(), "bom_tpu.py", "exec")
 
 
+def test_port_reads_and_writes_a_script_in_the_encoding_its_coding_line_declares(tmp_path, capsys):
+    """PEP 263 (issue 47): a latin-1 script, and the latin-1 module it imports, which
+    Python runs, are ported; each output keeps the coding line, the encoding and the
+    characters, and runs."""
+    coding = "# -*- coding: latin-1 -*-\n"
+    (tmp_path / "helpers.py").write_bytes((coding + "import torch\n\n\ndef put(x):\n"
+                                           "    return x.cuda()  # \u00e9t\u00e9\n").encode("latin-1"))
+    src = tmp_path / "train.py"
+    src.write_bytes((coding + "import torch\nfrom helpers import put\n\nNAME = 'caf\u00e9'\n\n\n"
+                     "def ones():\n    return torch.ones(2).cuda()  # na\u00efve\n").encode("latin-1"))
+    assert main([str(src)]) == 0, capsys.readouterr().out
+    out, module = tmp_path / "train_tpu.py", tmp_path / "helpers_tpu.py"
+    data, module_data = out.read_bytes(), module.read_bytes()
+    assert data.startswith(coding.encode()) and module_data.startswith(coding.encode())
+    text, module_text = data.decode("latin-1"), module_data.decode("latin-1")
+    assert "NAME = 'caf\u00e9'" in text and "# na\u00efve" in text and "# \u00e9t\u00e9" in module_text
+    assert "torch.ones(2).to(tu.get_device())" in text and "from helpers_tpu import put" in text
+    compile(data, str(out), "exec")  # bytes: as Python reads the file, by its coding line
+    compile(module_data, str(module), "exec")
+    import subprocess, sys
+    ran = subprocess.run([sys.executable, "-c", "import runpy; print(runpy.run_path('train_tpu.py')['NAME'])"],
+                         cwd=tmp_path, capture_output=True, text=True, encoding="utf-8",
+                         env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+    assert ran.returncode == 0 and ran.stdout.strip() == "caf\u00e9", ran.stderr
+    assert main([str(src)]) == 0  # the same bytes again: nothing to protect
+    (tmp_path / "odd.py").write_bytes(b"# -*- coding: klingon -*-\nimport torch\n")
+    assert main([str(tmp_path / "odd.py")]) == 2
+    said = capsys.readouterr().out
+    assert "cannot be read as Python reads it (unknown encoding" in said and "Traceback" not in said
+
+
 @pytest.mark.parametrize("name, data, said", [
     ("binary.py", b"\x80\x81\x00torch", "is not UTF-8 text"),
     ("broken.ipynb", b'{"cells": [', "is not a notebook: its JSON breaks at line 1"),

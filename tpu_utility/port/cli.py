@@ -13,7 +13,7 @@ from ..files import atomic_write
 from .magics import mask_magics
 from .notebook import add_import, code_lines, port_notebook
 from .pipeline import PortResult
-from .project import port_project
+from .project import port_project, read_source, source_encoding
 
 HELP = """\
 usage: python -m tpu_utility port [--force] SCRIPT.py|NOTEBOOK.ipynb|PROJECT_FOLDER ...
@@ -43,6 +43,8 @@ def port(path: str, *, write: bool = True, force: bool = False) -> PortResult:
     unless every file port would write compiles, and an output that exists and differs
     from what port writes now (edited by hand, or from another version of the original)
     is replaced only with `force=True`.
+    A script with a coding line (`# -*- coding: latin-1 -*-`) is read as Python reads it,
+    and its ported file is written in the same encoding, the line kept.
 
     Args:
         path: the script or notebook.
@@ -50,8 +52,9 @@ def port(path: str, *, write: bool = True, force: bool = False) -> PortResult:
         force: replace outputs that exist and differ (the command's `--force`).
 
     Raises:
-        ValueError: with one sentence, where `path` is not UTF-8 text or not a notebook, an
-            output would not compile, or an output differs and `force` is False.
+        ValueError: with one sentence, where `path` is not text in the encoding Python
+            reads it in (UTF-8, or what its coding line says) or not a notebook, an output
+            would not compile, or an output differs and `force` is False.
 
     Example:
         >>> import os, tempfile
@@ -64,13 +67,22 @@ def port(path: str, *, write: bool = True, force: bool = False) -> PortResult:
             return torch.ones(2).to(tu.get_device())
         <BLANKLINE>
     """
-    try:
-        with open(path, encoding="utf-8-sig") as f:  # a BOM, which Python accepts, too
-            original = f.read()
-    except UnicodeDecodeError as e:
-        raise ValueError(f"port: {path} is not UTF-8 text (byte {e.start}): port reads Python "
-                         f"scripts and notebooks; nothing written") from None
     base, ext = os.path.splitext(path)
+    encoding = "utf-8"
+    try:
+        if ext == ".ipynb":  # JSON: UTF-8
+            with open(path, encoding="utf-8-sig") as f:  # a BOM, which Python accepts, too
+                original = f.read()
+        else:  # as Python reads a script: its coding line, a BOM, else UTF-8
+            encoding = source_encoding(path)
+            original = read_source(path)
+    except UnicodeDecodeError as e:
+        text = "UTF-8 text" if encoding in ("utf-8", "utf-8-sig") else f"{encoding} text, as its coding line says"
+        raise ValueError(f"port: {path} is not {text} (byte {e.start}): port reads Python "
+                         f"scripts and notebooks; nothing written") from None
+    except SyntaxError as e:  # a coding line naming no encoding Python knows
+        raise ValueError(f"port: {path} cannot be read as Python reads it ({e.msg}); "
+                         f"nothing written") from None
     if ext == ".ipynb":
         try:
             json.loads(original)
@@ -87,11 +99,23 @@ def port(path: str, *, write: bool = True, force: bool = False) -> PortResult:
     for ported in outputs:
         _check_compiles(ported.text, ported.output, path)
     if write:
+        data = {ported.output: _encoded(ported.text, ported.output) for ported in outputs}
         for ported in outputs:
-            _check_replaceable(ported.output, ported.text, force)
+            _check_replaceable(ported.output, data[ported.output], force)
         for ported in outputs:
-            atomic_write(ported.output, lambda f, text=ported.text: f.write(text.encode("utf-8")))
+            atomic_write(ported.output, lambda f, b=data[ported.output]: f.write(b))
     return result
+
+
+def _encoded(text: str, output: str) -> bytes:
+    """A ported file's bytes: a script in the encoding its coding line declares (kept from
+    the original, so it runs and reads as the original did), anything else UTF-8."""
+    if output.endswith(".ipynb"):
+        return text.encode("utf-8")
+    import io
+    import tokenize
+    encoding = tokenize.detect_encoding(io.BytesIO(text.encode("utf-8")).readline)[0]
+    return text.encode(encoding)
 
 
 def _check_compiles(text: str, output: str, path: str) -> None:
@@ -108,12 +132,12 @@ def _check_compiles(text: str, output: str, path: str) -> None:
                              f"fault: please report it with {path}") from None
 
 
-def _check_replaceable(output: str, text: str, force: bool) -> None:
+def _check_replaceable(output: str, data: bytes, force: bool) -> None:
     """An output that exists is replaced only where it is what port writes, or with force."""
     if not os.path.isfile(output) or force:
         return
-    with open(output, encoding="utf-8", errors="replace") as f:
-        if f.read() == text:
+    with open(output, "rb") as f:
+        if f.read() == data:
             return
     raise ValueError(f"port: {output} exists and differs from what port writes now (edited "
                      f"by hand, or ported from another version); nothing written: move it "
@@ -130,8 +154,10 @@ def entry_scripts(folder: str) -> List[str]:
     found = []
     for name in sorted(os.listdir(folder)):
         if name.endswith(".py") and not name.endswith("_tpu.py"):
-            with open(os.path.join(folder, name), encoding="utf-8") as f:
-                text = f.read()
+            try:
+                text = read_source(os.path.join(folder, name))
+            except (SyntaxError, UnicodeDecodeError):  # not a script Python could run
+                continue
             if re.search(r"^if __name__ == ['\"]__main__['\"]\s*:", text, re.M):
                 found.append(name)
     return found
@@ -167,16 +193,18 @@ def main(argv: List[str]) -> int:
             print(f"port: cannot write {e.filename or result_name(path)}: {e.strerror or e}; "
                   f"pick a folder it can write, or make the file writable")
             return 2
-        with open(path, encoding="utf-8-sig") as f:
-            before = f.read()
+        if path.endswith(".ipynb"):
+            with open(path, encoding="utf-8-sig") as f:
+                before = f.read()
+        else:
+            before = read_source(path)
         print("".join(difflib.unified_diff(code_lines(before, path), code_lines(result.text, path),
                                            path, result.output)))
         print(f"wrote {result.output}: {result}")
         for module in result.modules:
             original = module.output[:-len("_tpu.py")] + ".py"
-            with open(original, encoding="utf-8") as f:
-                print("".join(difflib.unified_diff(f.read().splitlines(keepends=True),
-                                                   module.text.splitlines(keepends=True),
-                                                   original, module.output)))
+            print("".join(difflib.unified_diff(read_source(original).splitlines(keepends=True),
+                                               module.text.splitlines(keepends=True),
+                                               original, module.output)))
             print(f"wrote {module.output}: {module}")
     return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import os
+import tokenize
 from typing import Dict, List
 
 from .edits import apply, span
@@ -16,12 +17,33 @@ from .pipeline import PortResult, parse, port_source
 from .rules.structure import training_functions
 
 
+def read_source(path: str) -> str:
+    """A script's text, decoded as Python decodes it: by its PEP 263 coding line
+    (`# -*- coding: latin-1 -*-`), a UTF-8 byte order mark, else as UTF-8. Raises
+    UnicodeDecodeError for bytes that are not in that encoding, SyntaxError for a coding
+    line naming no encoding Python knows."""
+    with open(path, encoding=source_encoding(path)) as f:
+        return f.read()
+
+
+def source_encoding(path: str) -> str:
+    """The encoding Python reads the script at `path` in: its coding line's, "utf-8-sig"
+    after a byte order mark, else "utf-8" (also where a byte that is not UTF-8 hides the
+    line, so that decoding then names that byte)."""
+    with open(path, "rb") as f:
+        try:
+            return tokenize.detect_encoding(f.readline)[0]
+        except SyntaxError as e:
+            if "unknown encoding" in str(e) or "encoding problem" in str(e):
+                raise
+            return "utf-8"
+
+
 def local_modules(path: str) -> Dict[str, str]:
     """{module name: file} of the modules beside `path` that it imports, and theirs."""
     folder, found, todo = os.path.dirname(os.path.abspath(path)), {}, [path]
     while todo:
-        with open(todo.pop(), encoding="utf-8-sig") as f:
-            tree = parse(f.read())
+        tree = parse(read_source(todo.pop()))
         for name in _imported(tree):
             file = os.path.join(folder, name + ".py")
             if name not in found and os.path.isfile(file) and file != os.path.abspath(path):
@@ -43,7 +65,7 @@ def _imported(tree) -> List[str]:
 def port_project(path: str, source: str) -> PortResult:
     """The entry script `path` (its text `source`) ported with its local modules; the
     modules' results are in `.modules`, each with its `output`."""
-    modules = {name: open(file, encoding="utf-8-sig").read() for name, file in local_modules(path).items()}
+    modules = {name: read_source(file) for name, file in local_modules(path).items()}
     trees = {name: parse(text) for name, text in modules.items()}
     facts = {name: module_facts(tree) for name, tree in trees.items()}
     optimizers = set(module_facts(parse(source)).optimizers)
