@@ -200,3 +200,28 @@ def full_disk(path, limit=2000, **kwargs):
         resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     out["warnings"] = [str(w.message) for w in caught if w.category is RuntimeWarning]
     return out
+
+
+class OwnRng(Augmented):
+    """Augmented, whose jitter comes from a numpy generator of its own (issue 47): no two
+    processes, nor two reads, see the same rows."""
+
+    def __init__(self, n=N):
+        super().__init__(n)
+        self.rng = np.random.default_rng()
+
+    def __getitem__(self, i):
+        return self.x[i] + torch.from_numpy(self.rng.normal(0, 0.1, 8).astype(np.float32)), self.y[i]
+
+
+def own_rng(path, loss=None, rows=N, **kwargs):
+    """One epoch on OwnRng with a checkpoint; its RuntimeWarnings."""
+    import warnings
+    model, opt, _ = setup()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hist = tu.train_one_cycle(model, tu.make_loader(OwnRng(rows), BATCH, num_workers=0), opt,
+                                  loss or Loss(), 1, max_lr=1e-2, progress=False, checkpoint=path,
+                                  **kwargs)
+    return {"history": comparable(hist),
+            "warnings": [str(w.message) for w in caught if w.category is RuntimeWarning]}

@@ -323,6 +323,37 @@ def test_save_takes_a_path_a_pathlike_or_a_binary_file(tmp_path):
         tu.save(state, Full())
 
 
+def test_save_onto_a_symlink_writes_through_it_and_keeps_the_link(tmp_path):
+    """A checkpoint linked into a mounted drive (issue 47): written where the link points,
+    as torch.save writes it, and the link stays a link."""
+    drive, work = tmp_path / "drive", tmp_path / "work"
+    drive.mkdir()
+    work.mkdir()
+    (drive / "model.pt").write_bytes(b"old")
+    os.chmod(drive / "model.pt", 0o640)
+    os.symlink(drive / "model.pt", work / "model.pt")
+    os.symlink(work / "model.pt", work / "again.pt")  # a link to the link
+    tu.save({"w": torch.ones(2)}, str(work / "model.pt"))
+    assert os.path.islink(work / "model.pt")
+    assert torch.load(drive / "model.pt")["w"].tolist() == [1.0, 1.0]
+    assert os.stat(drive / "model.pt").st_mode & 0o777 == 0o640  # the target's mode is kept
+    tu.save({"w": torch.zeros(1)}, work / "again.pt")
+    assert os.path.islink(work / "again.pt") and os.path.islink(work / "model.pt")
+    assert torch.load(drive / "model.pt")["w"].tolist() == [0.0]
+    # a dangling link gets its file, as open() would make it, its folder too
+    os.symlink(drive / "new" / "best.pt", work / "best.pt")
+    tu.save({"w": torch.ones(1)}, work / "best.pt")
+    assert os.path.islink(work / "best.pt") and torch.load(drive / "new" / "best.pt")["w"].tolist() == [1.0]
+    os.chmod(drive / "model.pt", 0o444)  # a protected target is refused through its link
+    with pytest.raises(PermissionError, match=r"model.pt' is read-only \(mode 444\)"):
+        tu.save({"w": torch.ones(2)}, work / "model.pt")
+    os.symlink(work / "loop.pt", work / "loop.pt")
+    with pytest.raises(OSError, match=r"loop.pt' cannot be written: it is a symbolic link that leads back"):
+        tu.save({"w": torch.ones(2)}, work / "loop.pt")
+    assert sorted(os.listdir(work)) == ["again.pt", "best.pt", "loop.pt", "model.pt"]
+    assert sorted(os.listdir(drive)) == ["model.pt", "new"]  # no temporary file left
+
+
 # -- a checkpoint belongs to one run (issue 35) ----------------------------------------------
 
 def test_a_k_fold_loop_on_one_checkpoint_path_is_refused_before_the_second_fold_trains(tmp_path, capfd):
@@ -348,6 +379,24 @@ def test_a_half_done_checkpoint_is_not_taken_over_by_a_run_on_other_data(tmp_pat
     with pytest.raises(ValueError, match="train data"):
         run(functools.partial(rf.fold, checkpoint_every=10), 1, path, 1)
     assert saved_place(path) == (10, 10, False)
+
+
+def test_data_with_its_own_random_generator_resumes_with_a_warning(tmp_path):
+    """Issue 47: np.random.default_rng() in __getitem__ makes every process read other rows,
+    so no hash of them can match; the run resumes (its row count and layout checked), and
+    says so, where it was refused as "written by a different run"."""
+    path = str(tmp_path / "run.pt")
+    with pytest.raises(tu.ReplicasExited):  # killed at step 20, saved at step 10
+        run(functools.partial(rf.own_rng, checkpoint_every=10), 1, path, rf.Loss(kill_at=20))
+    assert saved_place(path) == (10, 10, False)
+    out = run(functools.partial(rf.own_rng, checkpoint_every=10), 1, path)
+    assert len(out["history"]["lrs"]) == 64 and saved_place(path) == (64, 0, True)
+    assert len(out["warnings"]) == 1
+    assert out["warnings"][0].startswith("train_one_cycle: the train data cannot be fingerprinted "
+                                         "reliably (its rows differ between two reads")
+    with pytest.raises(ValueError, match=r"train data 128 rows, rows that differ between reads "
+                                         r"\(layout \w+\) here, 256 rows, rows that differ"):
+        run(rf.own_rng, 1, path, None, 128)  # other data, as far as it can tell
 
 
 def test_two_live_runs_on_one_checkpoint_path_the_second_is_refused(tmp_path):

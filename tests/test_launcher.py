@@ -44,7 +44,7 @@ def test_unpicklable_train_fn_under_spawn_says_module_level(monkeypatch):
 
 def test_runtime_started_before_a_multi_core_run_is_explained(run_script):
     proc = run_script("""
-        import json, torch, tpu_utility as tu
+        import dataclasses, json, torch, tpu_utility as tu
         x = torch.ones(2, device=tu.get_device())  # the top of a notebook, say
         def noop():
             return 1
@@ -56,17 +56,34 @@ def test_runtime_started_before_a_multi_core_run_is_explained(run_script):
                 messages[cores] = str(e)
         # a cores=1 run in a process that holds its device just runs here
         one = tu.run(noop, cores=1)
-        print("RESULT", json.dumps({"messages": messages, "one": one}))
+
+        @dataclasses.dataclass
+        class Box:
+            w: torch.Tensor
+            inner: object
+
+        class Plain:
+            def __init__(self, xs):
+                self.xs = xs
+
+        def returns_objects():
+            return Box(x * 3, Plain([x + 1]))
+        box = tu.run(returns_objects, cores=1)  # here too, its tensors come back on the CPU
+        objects = [box.w.device.type, box.w.tolist(), box.inner.xs[0].device.type,
+                   box.inner.xs[0].tolist()]
+        print("RESULT", json.dumps({"messages": messages, "one": one, "objects": objects}))
     """)
     msg = proc.result["messages"]["8"]
     assert "already started" in msg and "XLA device was used" in msg and "Restart" in msg
     assert proc.result["one"] == 1
+    assert proc.result["objects"] == ["cpu", [3.0, 3.0], "cpu", [2.0, 2.0]]
 
 
 LAUNCH_SCRIPT = """
-    import json, multiprocessing, os, sys, time, torch
+    import dataclasses, json, multiprocessing, os, sys, time, torch
     import tpu_utility as tu
     from conftest import child_processes
+    from tpu_utility.compat import runtime_started
 
     def train_fn(scale):
         import torch_xla.runtime as xr
@@ -83,6 +100,26 @@ LAUNCH_SCRIPT = """
 
     def sleeping():
         time.sleep(60)
+
+    @dataclasses.dataclass
+    class Box:  # a user's own result type: no dict, list or module
+        w: torch.Tensor
+        step: int
+
+    class Plain:
+        __slots__ = ("xs",)
+
+        def __init__(self, xs):
+            self.xs = xs
+
+    def returns_objects():
+        d = tu.get_device()
+        return Box(torch.arange(3.0, device=d) * 2, 5), Plain([torch.ones(2, device=d) * 7])
+
+    def result_places(out):
+        box, plain = out
+        return {"devices": [box.w.device.type, plain.xs[0].device.type],
+                "values": [box.w.tolist(), plain.xs[0].tolist()], "step": box.step}
 
     def nesting():
         torch.ones(1, device=tu.get_device())
@@ -114,6 +151,8 @@ LAUNCH_SCRIPT = """
                 tu.run(nesting, cores=1, engine="launch", start_method=method)
             except RuntimeError as e:
                 res["nested"] = str(e)
+            res["objects"] = result_places(tu.run(returns_objects, cores=1, start_method=method))
+        res["caller_runtime"] = runtime_started()  # loading a result must not start it
         res["orphans"] = len(multiprocessing.active_children()) + len(child_processes())
         print("RESULT", json.dumps(res))
 """
@@ -132,5 +171,9 @@ def test_launch_path_returns_result_and_reraises_replica_errors(run_script, meth
         assert "timed out" in r["timeout"]
         assert "run() was called inside train_fn" in r["nested"]  # not "restart the kernel"
         assert "Restart" not in r["nested"] and "top level" in r["nested"]
+        # XLA tensors inside a dataclass and a slotted object's list come back on the CPU
+        assert r["objects"] == {"devices": ["cpu", "cpu"], "values": [[0.0, 2.0, 4.0], [7.0, 7.0]],
+                                "step": 5}
+    assert r["caller_runtime"] is False
     assert r["orphans"] == 0
     print(f"{method}: replica error re-raised after {r['error_s']:.1f} s")

@@ -2,21 +2,25 @@
 the lr/momentum writer, the state_dict round trips, the nested-data walker and the
 positive-int check. Expected values are closed forms (tests/reference.py) or written out."""
 import collections
+import dataclasses
 import inspect
 import math
+import re
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 from reference import one_cycle_lr, one_cycle_mom
-from tpu_utility._tree import batch_len, flatten, leaf_names, map_tensors, unbatch, unflatten
+from tpu_utility._tree import (batch_len, flatten, leaf_names, map_tensors, replace_tensors_anywhere,
+                               tensors_anywhere, unbatch, unflatten)
 from tpu_utility.amp import autocast_context
 from tpu_utility.checks import check_int
 from tpu_utility.loop import one_cycle as oc
 from tpu_utility.loop.hypers import Hypers, momentum_key
 from tpu_utility.loop.lr_find import _check as check_lr_find
-from tpu_utility.loop.resume import check_same_run, resume_point
+from tpu_utility.loop.resume import check_same_run, data_fingerprint, resume_point
 from tpu_utility.input_wait import InputWait
 from tpu_utility.loop.state import EpochStats, History, LossGuard, Position
 from tpu_utility.schedules import one_cycle
@@ -187,6 +191,68 @@ def test_one_walker_over_nested_data():
     assert [(s[0].item(), s[1]) for s in samples] == [(0, "a"), (1, "b"), (2, "c")]
     with pytest.raises(TypeError, match="show: cannot split a batch of type int"):
         unbatch(7, "show")
+
+
+@dataclasses.dataclass
+class _Box:
+    w: torch.Tensor
+    inner: object
+
+
+class _Slotted:
+    __slots__ = ("xs",)
+
+    def __init__(self, xs):
+        self.xs = xs
+
+
+def test_the_result_walker_reaches_tensors_inside_any_object():
+    # run()'s result (issue 47): tensors inside a dataclass, a slotted object's list, a
+    # module, however deep, each found once; a copy with the chosen ones replaced.
+    a, b, p = torch.ones(2), torch.zeros(3), torch.nn.Parameter(torch.full((1,), 5.0))
+    module = torch.nn.Linear(1, 1)
+    data = {"box": _Box(a, _Slotted([b, (a, {"p": p})])), "m": module, "n": 3}
+    found = tensors_anywhere(data)
+    assert {id(t) for t in found} == {id(a), id(b), id(p), id(module.weight), id(module.bias)}
+    assert len(found) == 5
+    out = replace_tensors_anywhere(data, {id(a): a + 1, id(p): torch.nn.Parameter(p * 2)})
+    assert out["box"].w.tolist() == [2.0, 2.0] and out["box"].inner.xs[1][0] is out["box"].w
+    assert out["box"].inner.xs[0] is b and out["n"] == 3  # the others stay the same objects
+    assert isinstance(out["box"].inner.xs[1][1]["p"], torch.nn.Parameter)
+    assert out["box"].inner.xs[1][1]["p"].tolist() == [10.0] and out["m"].weight is module.weight
+    with pytest.raises(Exception, match="lambda|local object"):
+        tensors_anywhere(_Box(a, lambda: 1))
+
+
+class _OwnRng(torch.utils.data.Dataset):
+    def __init__(self, n, own=True):
+        self.n, self.rng = n, np.random.default_rng() if own else None
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        noise = self.rng.normal(size=2) if self.rng is not None else np.random.normal(size=2)
+        return torch.tensor(noise, dtype=torch.float32), i % 2
+
+
+def test_data_with_its_own_random_generator_is_fingerprinted_by_its_layout():
+    # Issue 47: rows that differ between two reads under the same seeds get no hash.
+    steady = data_fingerprint(_OwnRng(32, own=False))  # the global generator: seeded, reproducible
+    assert re.fullmatch(r"32 rows, hash \w{12}", steady) and data_fingerprint(_OwnRng(32, own=False)) == steady
+    own = data_fingerprint(_OwnRng(32))
+    assert re.fullmatch(r"32 rows, rows that differ between reads \(layout \w{12}\)", own)
+    assert data_fingerprint(_OwnRng(32)) == own  # the same layout in every process
+    here = {"train data": own, "cores": 1}
+    assert check_same_run({"train data": own, "cores": 1}, here, "c.pt", False) == ["train data"]
+    assert check_same_run({"train data": "32 rows, hash 0123456789ab", "cores": 1}, here,
+                          "c.pt", False) == ["train data"]  # an older checkpoint of such data
+    for other in (data_fingerprint(_OwnRng(16)), "16 rows, hash 0123456789ab"):
+        with pytest.raises(ValueError, match="train data 32 rows, rows that differ"):
+            check_same_run({"train data": other, "cores": 1}, here, "c.pt", False)
+    with pytest.raises(ValueError, match=r"train data 32 rows, hash \w+ here, 32 rows, hash 0123"):
+        check_same_run({"train data": "32 rows, hash 0123456789ab", "cores": 1},
+                       {"train data": steady, "cores": 1}, "c.pt", False)  # reproducible data: as before
 
 
 def test_the_parts_run_without_xla():

@@ -4,9 +4,13 @@ Every module that looks inside a batch, a sample or a state dict goes through `f
 and `unflatten`, so they all agree on what a container is: moving a batch to the device,
 bringing a checkpoint to the host, writing a sample to the cache, splitting a batch to
 show it, counting a batch's samples. A leaf is anything else (or what `is_leaf` says).
+`tensors_anywhere` and `replace_tensors_anywhere` reach further, wherever pickle does
+(inside any object), for what must leave no tensor behind: run()'s result.
 """
 from __future__ import annotations
 
+import io
+import pickle
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -112,3 +116,48 @@ def unbatch(batch: Any, who: str) -> list:
         return list(leaves[0])
     n = min(len(x) for x in leaves) if leaves else 0
     return [unflatten(structure, [x[i] for x in leaves]) for i in range(n)]
+
+
+def tensors_anywhere(data: Any) -> List[Any]:
+    """Every tensor `data` holds, each once, wherever pickle would reach it: in dicts and
+    lists, and inside any object it can pickle (dataclasses, `__slots__`, modules, a
+    user's own classes, however deep). Raises what pickling `data` raises (a lambda, a
+    generator, a file inside it). Tensors are not serialized: only the rest of `data` is
+    walked, and written nowhere."""
+    found: Dict[int, Any] = {}
+    _Finder(_Discard(), found).dump(data)
+    return list(found.values())
+
+
+def replace_tensors_anywhere(data: Any, replacements: Dict[int, Any]) -> Any:
+    """A copy of `data` (as pickling and unpickling it in this process would make) with
+    `replacements[id(t)]` in place of each tensor `t` that `tensors_anywhere` found; other
+    tensors stay the same objects. Unpickles only what it pickled from `data` here."""
+    buf = io.BytesIO()
+    kept: Dict[int, Any] = {}
+    _Finder(buf, kept).dump(data)
+    buf.seek(0)
+    table = {key: replacements.get(key, t) for key, t in kept.items()}
+    unpickler = pickle.Unpickler(buf)
+    unpickler.persistent_load = table.__getitem__
+    return unpickler.load()
+
+
+class _Discard:
+    def write(self, b) -> int:
+        return len(b)
+
+
+class _Finder(pickle.Pickler):
+    """A pickler that writes each tensor as a reference (its id) and collects it."""
+
+    def __init__(self, file, found: Dict[int, Any]):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        import torch
+        self._tensor, self._found = torch.Tensor, found
+
+    def persistent_id(self, obj):
+        if isinstance(obj, self._tensor):
+            self._found.setdefault(id(obj), obj)
+            return id(obj)
+        return None

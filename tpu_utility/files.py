@@ -14,6 +14,9 @@ def atomic_write(path: str, dump: Callable[[IO[bytes]], None], *, fsync: bool = 
     A crash, a kill or a full disk mid-write leaves the old file (or none), never half a
     new one, and no temporary file behind where Python still runs. A file it replaces
     keeps its permission bits, and a read-only one is refused (`replaceable_mode`).
+    A symbolic link (a checkpoint linked into a mounted drive) is written through, as
+    `open(path, "wb")` would: the file it points to is replaced, beside itself, and the
+    link stays; a dangling link gets its file made.
 
     Example:
         >>> import os, tempfile
@@ -22,8 +25,9 @@ def atomic_write(path: str, dump: Callable[[IO[bytes]], None], *, fsync: bool = 
         >>> open(path, "rb").read()
         b'abc'
     """
-    mode = replaceable_mode(path)
-    tmp = f"{path}.tmp-{os.getpid()}"
+    target = _through_links(path)
+    mode = replaceable_mode(target)
+    tmp = f"{target}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
             dump(f)
@@ -32,11 +36,23 @@ def atomic_write(path: str, dump: Callable[[IO[bytes]], None], *, fsync: bool = 
                 os.fsync(f.fileno())
         if mode is not None:  # the file it replaces keeps its permissions
             os.chmod(tmp, mode)
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
     return path
+
+
+def _through_links(path: str) -> str:
+    """The file `path` names once its symbolic links are followed (the path itself when it
+    is none): where `open(path, "wb")` would write. A link that leads back to itself is
+    refused, as open refuses it."""
+    if not os.path.islink(path):
+        return path
+    target = os.path.realpath(path)
+    if os.path.islink(target):  # realpath stops inside a loop
+        raise OSError(errno.ELOOP, "a symbolic link that leads back to itself", path)
+    return target
 
 
 def replaceable_mode(path: str) -> Optional[int]:
@@ -75,7 +91,11 @@ def check_writable(path: Optional[str], argument: str) -> None:
     """
     if path is None:
         return
-    directory = os.path.dirname(os.path.abspath(path))
+    try:  # a link is written through: the file it names is the one to check
+        target = _through_links(path)
+    except OSError as e:
+        raise OSError(e.errno, f"{argument}={path!r} cannot be written: it is {e.strerror}") from None
+    directory = os.path.dirname(os.path.abspath(target))
     probe = os.path.join(directory, f".tpu_utility-probe-{os.getpid()}")
     try:
         os.makedirs(directory, exist_ok=True)
@@ -90,10 +110,10 @@ def check_writable(path: Optional[str], argument: str) -> None:
         raise OSError(e.errno, f"{argument}={path!r} cannot be written ({e.strerror or e} in "
                       f"{directory}): pick a writable folder, such as /kaggle/working or the "
                       f"current directory") from None
-    if os.path.isdir(path):
+    if os.path.isdir(target):
         raise IsADirectoryError(f"{argument}={path!r} is a folder: give a file name in it")
     try:  # a protected file is refused now, not after the work meant for it
-        replaceable_mode(path)
+        replaceable_mode(target)
     except PermissionError as e:
         raise PermissionError(e.errno, f"{argument}={path!r} is {e.strerror}") from None
 

@@ -28,7 +28,9 @@ from typing import Any, Callable, Optional, Sequence
 from . import engines, exits, memory, replica
 from .children import descendants, die_with_parent, kill
 from .compat import FUNCTIONALIZATION_ENV, functionalization_on, runtime_started
+from ._tree import replace_tensors_anywhere, tensors_anywhere
 from .checkpoint import on_cpu
+from .devices import to_cpu
 from .environment import in_notebook, setup_tpu, xla_version
 from .hf import masks_without_reads
 from .files import atomic_write
@@ -162,7 +164,7 @@ def run_replicas(train_fn: Callable[..., Any], cores: int, args: Sequence[Any], 
                 f"here, as it is: restart the kernel and call run() before anything touches "
                 f"the device")
         with replica.activate(replica.Replica(cls.in_caller(info, cores))), masks_without_reads():
-            return on_cpu(train_fn(*args))()
+            return result_on_cpu(train_fn(*args), must_pickle=False)
     forks = "fork" in cls.start_methods
     start_method = start_method or ("fork" if in_notebook() and forks else "spawn")
     if start_method == "spawn":
@@ -495,7 +497,9 @@ def _replica_main(launch: _Launch, beat, local_rank: int, engine) -> None:
             launch.stages.mark(local_rank, exits.RETURNED)
             if launch.check_steps is not None:
                 out = me.check_record()
-            out = on_cpu(out)()  # a returned model comes back as a CPU copy
+            # A returned model comes back as a CPU copy, and no tensor stays on the device,
+            # however deep in the result (the caller would start its XLA runtime to load it).
+            out = result_on_cpu(out, must_pickle=engine.rank == 0)
             path = None
             if engine.rank == 0 and me.memory is not None:  # what it measured, for doctor
                 ran = memory.with_peak(me.memory)
@@ -505,15 +509,42 @@ def _replica_main(launch: _Launch, beat, local_rank: int, engine) -> None:
                 try:
                     atomic_write(path, lambda f: torch.save(out, f))
                 except Exception as e:
-                    raise TypeError(
-                        f"train_fn's return value ({type(out).__name__}) cannot be pickled to "
-                        f"send it back ({type(e).__name__}: {e}): return tensors, dicts, lists, "
-                        f"numbers (a model's state_dict(), not a generator, lambda or file)") from None
+                    raise _unpicklable_result(out, e) from None
             # No replica leaves before the master is done, its writes included.
             engine.barrier()
         results.put((engine.rank, "ok", path))
     except BaseException as e:
         _report_error(results, outbox, engine.rank, e)
+
+
+def result_on_cpu(out: Any, *, must_pickle: bool) -> Any:
+    """train_fn's result with every tensor on the CPU: those in dicts, lists and modules
+    (`on_cpu`), then any other that pickle reaches, inside a dataclass or any object of
+    the user's (a copy of it, then, made by pickling it here). A result that cannot be
+    pickled is a TypeError if `must_pickle` (it has to travel), else returned as it is."""
+    out = on_cpu(out)()
+    try:
+        found = tensors_anywhere(out)
+    except Exception as e:
+        if must_pickle:
+            raise _unpicklable_result(out, e) from None
+        return out
+    away = [t for t in found if t.device.type not in ("cpu", "meta")]
+    if not away:
+        return out
+    import torch
+    copies = {}
+    for t, c in zip(away, to_cpu(away)):  # one batched transfer
+        copies[id(t)] = (torch.nn.Parameter(c, requires_grad=t.requires_grad)
+                         if isinstance(t, torch.nn.Parameter) else c)
+    return replace_tensors_anywhere(out, copies)
+
+
+def _unpicklable_result(out: Any, e: BaseException) -> TypeError:
+    return TypeError(
+        f"train_fn's return value ({type(out).__name__}) cannot be pickled to send it back "
+        f"({type(e).__name__}: {e}): return tensors, dicts, lists, numbers (a model's "
+        f"state_dict(), not a generator, lambda or file)")
 
 
 def _report_error(results, outbox, rank, e) -> None:

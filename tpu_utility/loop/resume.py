@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, ContextManager, Dict, Optional
+from typing import Any, ContextManager, Dict, List, Optional
 
 from .. import rng
 from .._tree import flatten
@@ -64,7 +64,14 @@ class Resume:
             raise ValueError(f"checkpoint={path!r} was written by save_state, not by "
                              f"train_one_cycle, so it holds no place in a one-cycle run: load it "
                              f"with tu.load_state, or pass another checkpoint path")
-        check_same_run(ours["run"], self.signature, path, run.o.allow_world_change)
+        loose = check_same_run(ours["run"], self.signature, path, run.o.allow_world_change)
+        if loose and is_master():
+            warnings.warn(f"train_one_cycle: the {' and '.join(loose)} cannot be fingerprinted "
+                          f"reliably (its rows differ between two reads under the same seeds: a "
+                          f"random generator of its own, such as np.random.default_rng() in "
+                          f"__getitem__), so checkpoint={path!r} is resumed having checked only "
+                          f"its row count and layout; pass another path if it holds other data",
+                          RuntimeWarning)
         run.history.load_state_dict(ours["history"])
         run.guard.load_state_dict(ours["guard"])
         self.finished = ours["complete"]
@@ -173,14 +180,19 @@ def run_signature(run) -> Dict[str, Any]:
 
 
 def check_same_run(saved: Dict[str, Any], here: Dict[str, Any], path: str,
-                   allow_world_change: bool) -> None:
-    """Refuse, before any work, a checkpoint that another run wrote; name what differs."""
+                   allow_world_change: bool) -> List[str]:
+    """Refuse, before any work, a checkpoint that another run wrote; name what differs.
+    Returns the data keys ("train data") that could be compared only loosely (`same_data`)."""
     world_changed = saved["cores"] != here["cores"]
-    diffs = []
+    diffs, loose = [], []
     for key, value in here.items():
         if key in ("cores", "steps per epoch") and world_changed and allow_world_change:
             continue
         if key not in saved:  # written before the key existed: its runs were not told apart by it
+            continue
+        if key in ("train data", "valid data") and isinstance(value, str) \
+                and isinstance(saved[key], str) and same_data(saved[key], value) is None:
+            loose.append(key)
             continue
         if saved.get(key) == value:
             continue
@@ -198,6 +210,7 @@ def check_same_run(saved: Dict[str, Any], here: Dict[str, Any], path: str,
                          f"Resume it with the same arguments and data{hint}, or pass another "
                          f"checkpoint path (one per fold in a k-fold loop), or delete this one "
                          f"to start afresh.")
+    return loose
 
 
 def resume_point(saved: Dict[str, Any], here: Dict[str, Any], grad_accum: int) -> Position:
@@ -213,13 +226,34 @@ def resume_point(saved: Dict[str, Any], here: Dict[str, Any], grad_accum: int) -
     return at
 
 
+# What a fingerprint says of data whose rows differ between two reads under the same seeds.
+UNRELIABLE = "rows that differ between reads"
+
+
 def data_fingerprint(dataset) -> str:
     """Its length and a hash of up to 8 rows spread over it: enough to tell a k-fold loop's
     folds apart, for 8 reads. The rows are read under fixed seeds, so a dataset with random
-    transforms gives the same hash each run, and the caller's random states stay as they were."""
-    import hashlib
+    transforms gives the same hash each run, and the caller's random states stay as they were.
+
+    The rows are read twice. Where the two reads differ (a dataset drawing from a random
+    generator of its own, `np.random.default_rng()` in `__getitem__`), no hash of them
+    could match the next run's: the fingerprint is then the length and the rows' layout
+    (structure, types, dtypes, and shapes where both reads agree on them), marked
+    `UNRELIABLE`, and `same_data` compares only what such a fingerprint holds."""
     n = len(dataset)
+    first, second = _read_rows(dataset, n), _read_rows(dataset, n)
+    if first[0] == second[0]:
+        return f"{n} rows, hash {first[0]}"
+    layout = first[1] if first[1] == second[1] else first[2]  # shapes, if they hold still
+    return f"{n} rows, {UNRELIABLE} (layout {layout})"
+
+
+def _read_rows(dataset, n: int):
+    """(content hash, layout hash with shapes, layout hash without) of the sampled rows,
+    read under fixed seeds."""
+    import hashlib
     digest = hashlib.sha256(str(n).encode())
+    shaped, unshaped = hashlib.sha256(), hashlib.sha256()
     with rng.seeded(0):
         for i in sorted({k * (n - 1) // 7 for k in range(8)} if n else ()):
             try:
@@ -228,9 +262,39 @@ def data_fingerprint(dataset) -> str:
                 row = f"error {type(e).__name__}"
             structure, leaves = flatten(row, plain=True)
             digest.update(repr(structure).encode())
+            shaped.update(repr(structure).encode())
+            unshaped.update(repr(structure).encode())
             for leaf in leaves:
                 digest.update(_leaf_bytes(leaf))
-    return f"{n} rows, hash {digest.hexdigest()[:12]}"
+                kind, shape = _leaf_layout(leaf)
+                shaped.update(f"{kind}{shape}".encode())
+                unshaped.update(f"{kind}{len(shape) if shape is not None else ''}".encode())
+    return digest.hexdigest()[:12], shaped.hexdigest()[:12], unshaped.hexdigest()[:12]
+
+
+def _leaf_layout(leaf):
+    """(type and dtype, shape or None) of one leaf of a row."""
+    dtype, shape = getattr(leaf, "dtype", None), getattr(leaf, "shape", None)
+    if shape is None and callable(getattr(leaf, "tobytes", None)):  # a PIL image
+        shape = getattr(leaf, "size", None)
+    try:
+        shape = tuple(shape) if shape is not None else None
+    except TypeError:
+        shape = None
+    return f"{type(leaf).__name__}:{dtype}", shape
+
+
+def same_data(saved: str, here: str) -> Optional[bool]:
+    """Whether two data fingerprints are of the same data: True or False where both are
+    hashes of the rows; where one is `UNRELIABLE`, None (may be) when what both hold (the
+    length, and the layout where both have one) agrees, else False."""
+    if UNRELIABLE not in saved and UNRELIABLE not in here:
+        return saved == here
+    rows = [s.split(" rows", 1)[0] for s in (saved, here)]
+    layouts = [s.split("(layout ", 1)[1] if "(layout " in s else None for s in (saved, here)]
+    if rows[0] != rows[1] or None not in layouts and layouts[0] != layouts[1]:
+        return False
+    return None
 
 
 def _leaf_bytes(leaf) -> bytes:
