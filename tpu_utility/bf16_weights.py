@@ -52,6 +52,7 @@ def bf16_weights(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer") -
         optimizer: its optimizer, made over `model.parameters()` (or groups of them).
     """
     import torch
+    from .checks import check_optimizer_device
     from .replica import current
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"bf16_weights(model, optimizer): pass the torch module first, got "
@@ -59,6 +60,17 @@ def bf16_weights(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer") -
     if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
         raise TypeError(f"bf16_weights(model, optimizer): pass the torch optimizer second, got "
                         f"{type(optimizer).__name__}")
+    complex_ = next(((n, t) for n, t in list(model.named_parameters()) + list(model.named_buffers())
+                     if t.is_complex()), None)
+    if complex_ is not None:  # model.to(bfloat16) would keep only its real part, silently
+        raise TypeError(f"bf16_weights(model, optimizer): {complex_[0]!r} is {str(complex_[1].dtype)[6:]}, "
+                        f"and bfloat16 has no complex type (the cast would drop its imaginary "
+                        f"part): keep it as two real tensors (real and imaginary), or train this "
+                        f"model in float32")
+    first = next(iter(model.parameters()), None)
+    if first is not None:  # an optimizer made before model.to(device) holds the old parameters
+        check_optimizer_device((p for g in optimizer.param_groups for p in g["params"]),
+                               first.device, "bf16_weights(model, optimizer)")
     replica = current()
     if replica.masters_of(optimizer):
         raise RuntimeError("bf16_weights(model, optimizer): this optimizer already steps float32 "

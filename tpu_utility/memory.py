@@ -71,10 +71,15 @@ def parse_size(text: str) -> int:
     Args:
         text: a number of bytes, with an optional K, M, G or T.
     """
-    m = re.fullmatch(r"\s*([\d.]+(?:e\d+)?)\s*([KMGT]?)(?:i?B)?\s*", str(text), re.IGNORECASE)
+    m = re.fullmatch(r"\s*((?:\d+\.?\d*|\.\d+)(?:e\+?\d+)?)\s*([KMGT]?)(?:i?B)?\s*", str(text),
+                     re.IGNORECASE)
     if not m:
         raise ValueError(f"{LIMIT_ENV}={text!r}: give bytes, e.g. 16G for a v5e chip, 32G for a v6e")
-    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
+    size = int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
+    if size <= 0:  # a limit of nothing would refuse every run, naming the run, not the setting
+        raise ValueError(f"{LIMIT_ENV}={text!r} gives a device no memory: give its bytes, e.g. "
+                         f"16G for a v5e chip, 32G for a v6e, or unset it")
+    return size
 
 
 def watch_compiles(env=os.environ) -> None:
@@ -136,13 +141,18 @@ def limit(device, env=os.environ) -> Optional[int]:
     return device_memory_limit(device)
 
 
-def measure(opt, device, masters=(), env=os.environ) -> Memory:
+def measure(opt, device, masters=(), others=(), env=os.environ) -> Memory:
     """`opt`'s parameters, their gradients and its state, in bytes per device. `masters`:
     (float32 copy, bfloat16 weight) pairs (tu.bf16_weights): the weights count as the
-    parameters, a gradient of their size each, and the copies as optimizer state."""
+    parameters, a gradient of their size each, and the copies as optimizer state.
+    `others`: parameters the optimizer does not hold that are on the device too (the rest
+    of a model whose head alone trains), counted with their gradients; each tensor once."""
     import torch
     weight_of = {id(m): w for m, w in masters}
-    params = [p for g in opt.param_groups for p in g["params"]]
+    held = {}
+    for p in [p for g in opt.param_groups for p in g["params"]] + list(others):
+        held.setdefault(id(weight_of.get(id(p), p)), p)  # a copy's weight is counted as the copy
+    params = list(held.values())
     grads = [weight_of.get(id(p), p.grad) for p in params if p.grad is not None]
     state = [v for s in opt.state.values() for v in s.values()
              if isinstance(v, torch.Tensor) and v.dim() > 0]

@@ -79,6 +79,7 @@ class Replica:
         self._splits: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
         self._split_ops: Dict[int, Any] = {}
         self._measured: "weakref.WeakSet" = weakref.WeakSet()
+        self._models: "weakref.WeakSet" = weakref.WeakSet()  # sync_module's: the loops' models
         # optimizer: [(float32 copy it steps, the model's bfloat16 weight)] (tu.bf16_weights)
         self._masters: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self.memory: Optional[memory.Memory] = None  # at the first optimizer's first step
@@ -245,7 +246,14 @@ class Replica:
             params = [p for p in _params(opt) if p in opt.state]
             for key in {k for p in params for k in opt.state[p]}:
                 self._split_like_parameters([opt.state[p].get(key) for p in params], params)
-        measured = memory.measure(opt, device, masters=self._masters.get(opt, ()))
+        # the loops' models too: weights the optimizer does not hold (a head trained alone)
+        # are on the device all the same, with their gradients
+        # (a model the optimizer shares no weight with, an earlier fold's, is not this run's)
+        mine = {id(p) for p in _params(opt)} | {id(w) for _, w in self._masters.get(opt, ())}
+        models = [list(m.parameters()) for m in list(self._models)]
+        others = [p for ps in models if any(id(p) in mine for p in ps) for p in ps
+                  if p.device.type == device.type]
+        measured = memory.measure(opt, device, masters=self._masters.get(opt, ()), others=others)
         if self.memory is None:
             self.memory = measured
             memory.note(measured)
@@ -300,7 +308,9 @@ class Replica:
 
     def sync_module(self, model) -> None:
         """Make `model`'s parameters and buffers the master's, on every replica (and then
-        move the replicas' random streams apart, `offset_rng`)."""
+        move the replicas' random streams apart, `offset_rng`). Its weights count in the
+        memory measured at an optimizer's first step, held by the optimizer or not."""
+        self._models.add(model)
         if self.engine.replicas > 1:
             tensors = list(model.parameters()) + list(model.buffers())
             self.engine.broadcast(tensors)
@@ -369,6 +379,7 @@ class Replica:
     def _first_step(self, opt) -> None:
         """Before `opt`'s first step: its parameters made the master's on every replica."""
         if opt not in self._synced_opts:
+            _refuse_sparse(_params(opt), self.engine.replicas)
             self._make_identical(_params(opt))
             self._synced_opts.add(opt)
 
@@ -436,6 +447,15 @@ def prefer_foreach(opt) -> None:
                 group.get(k) for k in ("fused", "capturable", "differentiable")) and not any(
                 _holds_tensor(v) for k, v in group.items() if k != "params"):
             group["foreach"] = True
+
+
+def _refuse_sparse(params: list, replicas: int) -> None:
+    sparse = next((i for i, p in enumerate(params) if p.grad is not None and p.grad.is_sparse), None)
+    if sparse is not None:
+        raise ValueError(f"optimizer_step: parameter {sparse} (shape {list(params[sparse].shape)}) "
+                         f"has a sparse gradient (nn.Embedding(sparse=True)), which cannot be "
+                         f"averaged over the {replicas} replicas: make the embedding with "
+                         f"sparse=False (and Adam in place of SparseAdam), or run on one core")
 
 
 def _holds_tensor(value) -> bool:

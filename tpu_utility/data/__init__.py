@@ -144,6 +144,11 @@ def make_loader(data=None, batch_size: Optional[int] = None, shuffle: Optional[b
         raise TypeError("make_loader needs a map-style Dataset (with __len__ and __getitem__) "
                         "so it can shard it over replicas; convert the IterableDataset to a list "
                         "or a TensorDataset first")
+    if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):  # a generator, an iterator
+        raise TypeError(f"make_loader needs a map-style dataset (with __len__ and __getitem__) so "
+                        f"it can shard it over replicas, got a {type(data).__name__}, which has "
+                        f"{'no length' if not hasattr(data, '__len__') else 'no indexing'}: pass "
+                        f"list(...) of its samples, or a Dataset")
     read = data
     if sampler is not None:
         read, shuffle = sampled(data, sampler)

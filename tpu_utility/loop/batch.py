@@ -27,11 +27,27 @@ def train_step(model, loss_fn: Optional[Callable], batch, *, batch_fn: Optional[
         with autocast:
             loss = model_loss(forward(model, inputs), who)
     else:
+        check_loss_fn(loss_fn, who)
         inputs, target = split_batch(batch, batch_fn)
         with autocast:
             loss = loss_fn(forward(model, inputs), target)
+    if loss.dim():  # shapes are the host's: no read of the device
+        raise ValueError(f"{who}: loss_fn returned a tensor of shape {list(loss.shape)}, not one "
+                         f"number: reduce it (loss.mean()), or keep the loss's default "
+                         f"reduction (not reduction='none')")
     (loss / accum if accum > 1 else loss).backward()
     return loss.detach(), batch_len(inputs)
+
+
+def check_loss_fn(loss_fn, who: str) -> None:
+    """Refuse a loss class where its instance is meant (loss_fn=nn.CrossEntropyLoss): called,
+    the class would build a module from (output, target), and fail on that, obscurely."""
+    import torch
+    if isinstance(loss_fn, type) and issubclass(loss_fn, torch.nn.Module):
+        name = loss_fn.__name__
+        prefix = "nn." if getattr(torch.nn, name, None) is loss_fn else ""
+        raise TypeError(f"{who}: loss_fn={prefix}{name} is the class: pass an instance, "
+                        f"{prefix}{name}()")
 
 
 def as_loader(data, *, train: bool, name: str, pad: bool = False, batch_size: Optional[int] = None) -> DeviceLoader:

@@ -11,7 +11,8 @@ from ..data import DeviceLoader
 from ..devices import get_device, sync, to_cpu
 from ..replica import current
 from ..hf import is_model_output, logits_and_labels, masks_without_reads, model_loss
-from .batch import as_loader, check_model_device, forward, own_loss_inputs, per_sample_loss, split_batch
+from .batch import (as_loader, check_model_device, forward, metric_name, own_loss_inputs,
+                    per_sample_loss, split_batch)
 
 
 def accuracy(output, target):
@@ -46,10 +47,22 @@ def evaluate(model, loader, loss_fn, metrics, batch_fn, autocast) -> list:
                     output = forward(model, inputs)
                     losses = per_sample_loss(loss_fn, output, target)
             real = real.to(losses.dtype)
-            values = [losses.float()] + [m(output, target).float().reshape(-1) for m in metrics]
+            values = [losses.float()] + [_metric(m, output, target) for m in metrics]
             sums += torch.stack([(v * real).sum() for v in values])
             count += real.sum()
     return [sums, count.reshape(1)]
+
+
+def _metric(metric, output, target):
+    """A metric's values as a flat float tensor; anything but a tensor refused, naming it."""
+    import torch
+    values = metric(output, target)
+    if not isinstance(values, torch.Tensor):
+        raise TypeError(f"metrics: {metric_name(metric)} returned a {type(values).__name__} "
+                        f"({values!r}), not a tensor: return one value per sample as a tensor "
+                        f"computed on the device from output and target, as tu.accuracy does "
+                        f"((output.argmax(-1) == target).float()), not a number read to the host")
+    return values.float().reshape(-1)
 
 
 def epoch_totals(loss_sum, train_batches: int, valid_sums: Optional[list]) -> List[float]:

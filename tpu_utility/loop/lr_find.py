@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 from ..amp import autocast_context
-from ..checks import check_int, check_optimizer_device
+from ..checks import check_int, check_optimizer_device, check_positive
 from ..compat import xla_counts
 from ..devices import get_device, is_master, optimizer_step, sync, to_cpu
 from ..replica import current
@@ -159,7 +159,11 @@ def lr_find(model, train_loader, opt, loss_fn: Optional[Callable] = None, start_
 
 def _check(start_lr, end_lr, num_it, check_every, suggest, rest: dict) -> _Sweep:
     """Every refusal of lr_find's arguments, before any work."""
-    if not (0 < start_lr < end_lr):
+    start_lr = check_positive(start_lr, "start_lr", who="lr_find")
+    end_lr = check_positive(end_lr, "end_lr", who="lr_find")
+    if isinstance(suggest, str):  # suggest="valley": one name, not its letters
+        suggest = (suggest,)
+    if not start_lr < end_lr:
         raise ValueError(f"need 0 < start_lr < end_lr, got start_lr={start_lr:g}, end_lr={end_lr:g}")
     num_it = check_int(num_it, "num_it", low=MIN_NUM_IT,
                        why=" (the suggestions drop the first 10% and the last 5 points)")

@@ -154,6 +154,8 @@ class _Options:
         max_lrs = tuple([a["max_lr"]] * len(groups) if a["max_lr"] is not None else [g["lr"] for g in groups])
         check_one_cycle(max_lrs, a["pct_start"], a["div"], a["div_final"], a["moms"],
                         lr_name="max_lr" if a["max_lr"] is not None else "the optimizer's lr (max_lr=None)")
+        if callable(a["metrics"]):  # metrics=tu.accuracy: one metric, as fastai takes it
+            a["metrics"] = (a["metrics"],)
         names = [metric_name(m) for m in a["metrics"]]
         allowed = ["train_loss"] + (["valid_loss"] + names if a["valid_loader"] is not None else [])
         if a["save_best"] is not None and a["monitor"] not in allowed:
