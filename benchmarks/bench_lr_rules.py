@@ -20,6 +20,12 @@ lr_find's default: within 3 accuracy points (or 5% of the loss) of the grid's be
 every workload (✗ marks a miss). `DEVELOP` workloads (and the demo) are those the
 default was chosen on; `HELD_OUT` ones were run only once it was fixed.
 
+Fine-tunes (issue 47; `--workloads finetune`, `finetune_held_out` or `finetune_all`): each
+workload's model is first trained on a related task in plain torch (`Workload.pretrain`,
+once per seed), and both lr_find and every training of the grid start from those weights,
+with a fresh optimizer; their grid reaches down to 1e-6 (`lr_workloads.FINE_GRID`). The
+column `one_cycle (before)` is the default as it was before issue 47, from the same curve.
+
 Each workload runs in one `tu.run(fn, cores=1)` (one XLA device; `--engine torch` runs on
 the CPU without XLA, for quick iterations); `--json` writes every curve and value, so
 another rule can be judged from the curves and the grid without training again, and
@@ -28,6 +34,7 @@ another rule can be judged from the curves and the grid without training again, 
 runs one workload).
 """
 import argparse
+import copy
 import json
 import math
 import os
@@ -40,8 +47,14 @@ sys.path.insert(0, HERE)
 GRID = [float(f"{10 ** (e / 4):.2g}") for e in range(-16, 1)]  # 1e-4 to 1, quarter decades
 
 
+WHICH = ["develop", "held_out", "all", "finetune", "finetune_held_out", "finetune_all"]
+
+
 def workloads(which: str):
-    from lr_workloads import DEVELOP, HELD_OUT
+    from lr_workloads import DEVELOP, FINETUNE, FINETUNE_HELD_OUT, HELD_OUT
+    if which.startswith("finetune"):
+        return {"finetune": FINETUNE, "finetune_held_out": FINETUNE_HELD_OUT,
+                "finetune_all": FINETUNE + FINETUNE_HELD_OUT}[which]
     develop = DEVELOP + [demo_workload()]
     return {"develop": develop, "held_out": HELD_OUT, "all": develop + HELD_OUT}[which]
 
@@ -92,9 +105,18 @@ def job(which: str, index: int, seeds, grid, train_rules: bool, sweep=None):
     metrics = [w.metric] if w.metric is not None else []
     extra = w.loader_options()
 
+    pretrained = {}  # seed -> the model before its fine-tune, trained once
+
     def fresh(seed):
         torch.manual_seed(seed)
-        model = w.model().to(device)
+        if w.pretrain is None:
+            model = w.model()
+        else:
+            if seed not in pretrained:
+                pretrained[seed] = w.pretrain(w.model())
+            model = copy.deepcopy(pretrained[seed])
+            torch.manual_seed(seed)  # the fine-tune's dropout and shuffling, as from scratch
+        model = model.to(device)
         return model, w.opt(model.parameters())
 
     def score(seed, lr):
@@ -117,17 +139,29 @@ def job(which: str, index: int, seeds, grid, train_rules: bool, sweep=None):
         t = time.perf_counter()
         found = tu.lr_find(model, tu.make_loader(train, w.batch_size, seed=seed, **extra), opt, w.loss,
                            **(sweep or {}))
+        suggested = dict(found.suggestions)
+        suggested["one_cycle (before)"] = before_issue_47(found, sweep)
         one = {"seed": seed, "lrs": found.lrs, "losses": found.losses, "raw": found.raw_losses,
-               "suggestions": found.suggestions, "lr_find_s": time.perf_counter() - t,
-               "grid": {}, "rules": {}}
+               "suggestions": suggested, "fell": found.fell,
+               "lr_find_s": time.perf_counter() - t, "grid": {}, "rules": {}}
         for lr in grid:
             one["grid"][repr(lr)] = score(seed, lr)
         if train_rules:
-            for name, lr in found.suggestions.items():
+            for name, lr in suggested.items():
                 one["rules"][name] = score(seed, lr) if lr else None
         out["seeds"].append(one)
         print(f"  {w.name} seed {seed}: done", flush=True)
     return out
+
+
+def before_issue_47(found, sweep) -> float:
+    """The default before issue 47: a quarter of the lr at the lowest smoothed point, on
+    the curve the suggestions look at (the first 10% and the last 5 points dropped)."""
+    from tpu_utility.loop.suggest import _lowest
+    num_it = (sweep or {}).get("num_it", 300)
+    lrs, smooth = found.lrs[num_it // 10:-5], found.losses[num_it // 10:-5]
+    finite = next((i for i, v in enumerate(smooth) if not math.isfinite(v)), len(smooth))
+    return _lowest(lrs[:finite], smooth[:finite]) / 4
 
 
 def mean(values):
@@ -161,8 +195,8 @@ def summary(result) -> dict:
 
 
 def table(results) -> str:
-    from lr_workloads import HELD_OUT
-    held_out = {w.name for w in HELD_OUT}
+    from lr_workloads import FINETUNE_HELD_OUT, HELD_OUT
+    held_out = {w.name for w in HELD_OUT + FINETUNE_HELD_OUT}
     names = list(results[0]["seeds"][0]["rules"])
     head = "| workload | grid's best | " + " | ".join(names) + " |"
     lines = [head, "|" + " --- |" * (2 + len(names))]
@@ -183,7 +217,9 @@ def table(results) -> str:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workloads", choices=["develop", "held_out", "all"], default="all")
+    p.add_argument("--workloads", choices=WHICH, default="all",
+                   help="the from-scratch ones (develop, held_out, all), or the fine-tunes "
+                        "(finetune, finetune_held_out, finetune_all)")
     p.add_argument("--only", default=None, help="run only the workloads whose name has this")
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--first-seed", type=int, default=0)

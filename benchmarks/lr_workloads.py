@@ -3,7 +3,9 @@ its data (made from a fixed seed), its model (from the run's seed), its optimize
 metric and schedule length. Written for this benchmark; none is copied from elsewhere.
 
 `DEVELOP` are the workloads lr_find's default rule was designed on; `HELD_OUT` were only
-run once the rule was chosen, to check it on tasks it had never seen.
+run once the rule was chosen, to check it on tasks it had never seen. `FINETUNE` (and
+`FINETUNE_HELD_OUT`) start from a model trained first on a related task (issue 47): the
+fine-tune rule was designed on the first and checked on the second.
 """
 import math
 from dataclasses import dataclass
@@ -29,6 +31,9 @@ class Workload:
     loader_options: Callable[[], dict] = dict  # more make_loader arguments (augment=)
     grid: Optional[tuple] = None  # its own max_lr grid (the benchmark's when None)
     seeds: Optional[int] = None  # its own number of seeds (the benchmark's when None)
+    # A fine-tune: model() -> the model to fine-tune, trained first on another task (plain
+    # torch on the CPU, from the seed set just before); None: trained from scratch.
+    pretrain: Optional[Callable[[nn.Module], nn.Module]] = None
 
 
 def _split(x, y, n_valid):
@@ -61,11 +66,11 @@ def spiral_data(n=3000, arms=3, noise=0.25):
     return _split(x + noise * torch.randn(n, 2, generator=g), y, 600)
 
 
-def strokes_data(n=3600, size=16):
+def strokes_data(n=3600, size=16, seed=2, noise=0.6, contrast=0.8, n_valid=600):
     """One-channel noisy images of a stroke: horizontal, vertical, diagonal, or a cross."""
-    g = torch.Generator().manual_seed(2)
+    g = torch.Generator().manual_seed(seed)
     y = torch.randint(0, 4, (n,), generator=g)
-    img = 0.6 * torch.randn(n, 1, size, size, generator=g)
+    img = noise * torch.randn(n, 1, size, size, generator=g)
     r = torch.randint(3, size - 3, (n, 2), generator=g)
     length = torch.randint(4, 7, (n,), generator=g)
     ii = torch.arange(size).view(1, size, 1)
@@ -77,8 +82,8 @@ def strokes_data(n=3600, size=16):
     shape = torch.where(y.view(-1, 1, 1) == 0, horiz, torch.where(
         y.view(-1, 1, 1) == 1, vert, torch.where(y.view(-1, 1, 1) == 2, diag,
                                                  (horiz + vert).clamp(max=1))))
-    contrast = 0.8 + torch.rand(n, 1, 1, generator=g)
-    return _split(img + (shape * contrast).unsqueeze(1), y, 600)
+    contrast = contrast + torch.rand(n, 1, 1, generator=g)
+    return _split(img + (shape * contrast).unsqueeze(1), y, n_valid)
 
 
 def friedman_data(n=5000):
@@ -330,4 +335,184 @@ HELD_OUT = [
              lambda: nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 8), nn.ReLU(),
                                    nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 48)),
              _adam, mse, None, 8, 64),
+]
+
+
+# -- fine-tunes (issue 47) -----------------------------------------------------------------
+# Each model is first trained on a source task in plain torch (`pretrain`, a few seconds on
+# a CPU, from the run's seed), then fine-tuned on related data: noisy labels, a shifted
+# input distribution, new classes on a new head, a shifted regression target. The grid
+# reaches down to 1e-6: a fine-tune's best max_lr can sit far below a from-scratch one's.
+
+FINE_GRID = tuple(float(f"{10 ** (e / 4):.2g}") for e in range(-24, 1))  # 1e-6 to 1
+
+
+def _fit(model, data, opt, loss, epochs, batch):
+    """Plain torch training at a constant lr, shuffled by torch's global generator."""
+    x, y = data.tensors
+    model.train()
+    for _ in range(epochs):
+        perm = torch.randperm(len(x))
+        for i in range(0, len(x), batch):
+            idx = perm[i:i + batch]
+            opt.zero_grad()
+            loss(model(x[idx]), y[idx]).backward()
+            opt.step()
+    return model
+
+
+def _blobs(n, seed, scale=2.2, classes=4, dim=10):
+    """Gaussian clusters around fixed random centres (the same centres for every seed)."""
+    centres = scale * torch.randn(classes, dim, generator=torch.Generator().manual_seed(12))
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, classes, (n,), generator=g)
+    return centres[y] + torch.randn(n, dim, generator=g), y
+
+
+def noisy_blobs_data(n=48, wrong=16, n_valid=1000):
+    """The issue's fine-tune: 48 labelled points of the source task, a third of the labels
+    wrong; validated on clean points."""
+    x, y = _blobs(n, seed=13)
+    g = torch.Generator().manual_seed(14)
+    bad = torch.randperm(n, generator=g)[:wrong]
+    y = y.clone()
+    y[bad] = (y[bad] + torch.randint(1, 4, (wrong,), generator=g)) % 4
+    xv, yv = _blobs(n_valid, seed=15)
+    return TensorDataset(x, y), TensorDataset(xv, yv)
+
+
+def _pretrain_blobs(model):
+    x, y = _blobs(3000, seed=16)
+    return _fit(model, TensorDataset(x, y), torch.optim.Adam(model.parameters(), lr=1e-3),
+                F.cross_entropy, 5, 32)
+
+
+def shifted_strokes_data():
+    """Strokes as strokes_data draws them, but fainter (contrast 0.6-1.6, was 0.8-1.8) in
+    more noise (0.8, was 0.6): 400 to fine-tune on."""
+    return strokes_data(n=1000, seed=17, noise=0.8, contrast=0.6, n_valid=600)
+
+
+def _pretrain_strokes(model):
+    train, _ = strokes_data()
+    return _fit(model, train, torch.optim.Adam(model.parameters(), lr=3e-3), F.cross_entropy, 6, 64)
+
+
+def new_teacher_data(n=1300, classes=3):
+    """teacher_data's inputs and first teacher layer, a new second layer with 3 classes:
+    new classes from the same features; 300 to fine-tune on."""
+    g = torch.Generator().manual_seed(9)
+    torch.randn(6000, 20, generator=g)  # teacher_data's inputs, drawn first
+    w1 = torch.randn(20, 32, generator=g)
+    g = torch.Generator().manual_seed(18)
+    x = torch.randn(n, 20, generator=g)
+    w2 = torch.randn(32, classes, generator=g)
+    y = (torch.tanh(x @ w1) @ w2 + 0.3 * torch.randn(n, classes, generator=g)).argmax(1)
+    return _split(x, y, 1000)
+
+
+def _pretrain_teacher_new_head(model):
+    train, _ = teacher_data()
+    _fit(model, train, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01),
+         F.cross_entropy, 4, 128)
+    model[-1] = nn.Linear(128, 3)  # a new head for the new classes
+    return model
+
+
+def shifted_friedman_data(n=1300):
+    """Friedman #1 with its target shifted: x3's weight 10 -> 13, and x5 (noise before)
+    now counts; 300 to fine-tune on."""
+    g = torch.Generator().manual_seed(19)
+    x = torch.rand(n, 10, generator=g)
+    y = (10 * torch.sin(math.pi * x[:, 0] * x[:, 1]) + 20 * (x[:, 2] - 0.5) ** 2
+         + 13 * x[:, 3] + 5 * x[:, 4] + 3 * x[:, 5] + torch.randn(n, generator=g))
+    y = (y - 14.4) / 5.0  # friedman_data's scale
+    return _split(x, y.unsqueeze(1), 1000)
+
+
+def _pretrain_friedman(model):
+    train, _ = friedman_data()
+    return _fit(model, train, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01),
+                mse, 4, 64)
+
+
+def _mlp(*widths):
+    layers = []
+    for a, b in zip(widths[:-1], widths[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def _sgd_ft(params):
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+
+FINETUNE = [
+    Workload("noisy labels MLP", "the issue's: MLP 10-64-64-4 trained on 4 Gaussian blobs "
+             "(3000 points, Adam, 5 epochs), fine-tuned on 48 points with a third of the labels wrong, "
+             "Adam, batch 8, 8 epochs; clean validation", noisy_blobs_data,
+             lambda: _mlp(10, 64, 64, 4), _adam, F.cross_entropy, _accuracy, 8, 8,
+             grid=FINE_GRID, pretrain=_pretrain_blobs),
+    Workload("shifted strokes CNN+BN, SGD", "the strokes CNN+BN trained on strokes (Adam, 6 "
+             "epochs), fine-tuned on 400 fainter, noisier strokes, SGD momentum 0.9, batch 32, "
+             "5 epochs", shifted_strokes_data, _cnn_bn, _sgd_ft, F.cross_entropy, _accuracy, 5,
+             32, grid=FINE_GRID, pretrain=_pretrain_strokes),
+    Workload("teacher new head", "the teacher deep MLP trained on its 5 classes (AdamW, 4 "
+             "epochs), a new head for 3 new classes of the same features, 300 points, AdamW, "
+             "batch 32, 6 epochs", new_teacher_data, _deep_ln, _adamw, F.cross_entropy,
+             _accuracy, 6, 32, grid=FINE_GRID, pretrain=_pretrain_teacher_new_head),
+    Workload("shifted Friedman", "the Friedman MLP trained on Friedman #1 (AdamW, 4 epochs), "
+             "fine-tuned on 300 points of a shifted target, Adam, MSE, batch 32, 8 epochs",
+             shifted_friedman_data, lambda: _mlp(10, 128, 128, 1), _adam, mse, None, 8, 32,
+             grid=FINE_GRID, pretrain=_pretrain_friedman),
+]
+
+
+
+def shifted_words_data(n=1400, length=24, vocab=300):
+    """words_data's token scores with 30% of the scoring tokens' signs flipped (a new
+    domain's sentiment); 400 to fine-tune on."""
+    g = torch.Generator().manual_seed(10)
+    score = torch.randn(vocab, generator=g) * (torch.rand(vocab, generator=g) < 0.2)
+    g = torch.Generator().manual_seed(20)
+    score = torch.where(torch.rand(vocab, generator=g) < 0.3, -score, score)
+    seq = torch.randint(0, vocab, (n, length), generator=g)
+    return _split(seq, (score[seq].sum(1) > 0).long(), 1000)
+
+
+def _pretrain_words(model):
+    train, _ = words_data()
+    return _fit(model, train, torch.optim.Adam(model.parameters(), lr=1e-3), F.cross_entropy, 4, 64)
+
+
+def new_waves_data(n=1100, length=64):
+    """Signals as waves_data makes them, at 3 new frequencies between its 5; 300 to
+    fine-tune on."""
+    g = torch.Generator().manual_seed(21)
+    y = torch.randint(0, 3, (n,), generator=g)
+    t = torch.arange(length).float()
+    freq = (0.185 + 0.07 * y.float() + 0.01 * torch.randn(n, generator=g)).view(-1, 1)
+    phase = 2 * math.pi * torch.rand(n, 1, generator=g)
+    x = torch.sin(freq * t + phase) + 1.0 * torch.randn(n, length, generator=g)
+    return _split(x.unsqueeze(1), y, 800)
+
+
+def _pretrain_waves_new_head(model):
+    train, _ = waves_data()
+    _fit(model, train, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01),
+         F.cross_entropy, 3, 32)
+    model[-1] = nn.Linear(32, 3)  # a new head for the new frequencies
+    return model
+
+
+# Written before the rule was chosen, run only after it was fixed.
+FINETUNE_HELD_OUT = [
+    Workload("shifted words bag", "the words bag trained on its sentiment (Adam, 4 epochs), "
+             "fine-tuned on 400 sequences of a domain where 30% of the scoring tokens flip "
+             "sign, Adam, batch 32, 5 epochs", shifted_words_data, Bag, _adam, F.cross_entropy,
+             _accuracy, 5, 32, grid=FINE_GRID, pretrain=_pretrain_words),
+    Workload("waves conv1d new head, SGD", "the waves 1-D CNN trained on its 5 frequencies "
+             "(AdamW, 3 epochs), a new head for 3 new frequencies, 300 signals, SGD momentum "
+             "0.9 nesterov, batch 32, 6 epochs", new_waves_data, _conv1d, _sgd, F.cross_entropy,
+             _accuracy, 6, 32, grid=FINE_GRID, pretrain=_pretrain_waves_new_head),
 ]

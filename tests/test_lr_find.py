@@ -118,3 +118,74 @@ def test_a_sweep_that_barely_trains_says_its_suggestion_is_a_guess():
     assert "barely trained" in said[0] and "as a guess" in said[0] and "num_it=120" in said[0]
     fell, said = tu.run(_sweep_warnings, cores=1, engine="torch", args=(True,))
     assert fell > 0.2 and said == [], (fell, said)
+
+
+def _noisy_fine_tune():
+    """Issue 47's fine-tune, small: an MLP trained (plain torch) on four Gaussian blobs,
+    then lr_find on 48 of their points with a third of the labels wrong (6 batches, so
+    the 300-step sweep goes over them 50 times). Then, in plain torch, a one-cycle
+    fine-tune at the suggestion and at 1e-4, judged on clean points. (Loader seed 1: with
+    seed 0 the first batch holds no wrong label, its loss is 0.007, and the next one's,
+    3.4, reads as a divergence at step 2.)"""
+    import copy
+    import warnings
+    import torch
+    import torch.nn.functional as F
+    import tpu_utility as tu
+    centres = 2.2 * torch.randn(4, 10, generator=torch.Generator().manual_seed(1))
+
+    def blobs(n, seed):
+        g = torch.Generator().manual_seed(seed)
+        y = torch.randint(0, 4, (n,), generator=g)
+        return centres[y] + torch.randn(n, 10, generator=g), y
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    x, y = blobs(2000, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(4):
+        for i in range(0, len(x), 32):
+            opt.zero_grad()
+            F.cross_entropy(model(x[i:i + 32]), y[i:i + 32]).backward()
+            opt.step()
+    xf, yf = blobs(48, 3)
+    yf[:16] = (yf[:16] + 1 + torch.arange(16) % 3) % 4  # a third wrong
+    xv, yv = blobs(1000, 4)
+
+    def fine_tune(max_lr, epochs=8, batch=8):  # torch's own one-cycle schedule
+        m = copy.deepcopy(model)
+        o = torch.optim.Adam(m.parameters(), lr=max_lr)
+        sched = torch.optim.lr_scheduler.OneCycleLR(o, max_lr, total_steps=epochs * 6)
+        torch.manual_seed(1)
+        for _ in range(epochs):
+            perm = torch.randperm(48)
+            for i in range(0, 48, batch):
+                o.zero_grad()
+                F.cross_entropy(m(xf[perm[i:i + batch]]), yf[perm[i:i + batch]]).backward()
+                o.step()
+                sched.step()
+        with torch.no_grad():
+            return (m(xv).argmax(1) == yv).float().mean().item()
+
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = tu.lr_find(model, tu.make_loader(torch.utils.data.TensorDataset(xf, yf), 8, seed=1),
+                         opt, F.cross_entropy)
+    said = [str(w.message) for w in caught if "lr_find" in str(w.message)]
+    return said, res.suggestion, fine_tune(0.0), fine_tune(1e-4), fine_tune(res.suggestion)
+
+
+def test_a_sweep_over_a_few_noisy_labels_warns_its_suggestion_can_undo_a_fine_tune():
+    import tpu_utility as tu
+    said, lr, before, at_small, at_suggestion = tu.run(_noisy_fine_tune, cores=1, engine="torch")
+    # what the warning is for, measured in plain torch: a small max_lr keeps the pretrained
+    # accuracy, the suggestion loses it
+    assert before > 0.97 and at_small > before - 0.01, (before, at_small)
+    assert at_suggestion < at_small - 0.05, (lr, at_small, at_suggestion)
+    import re
+    warned = [m for m in said if re.search(r"went over train_loader's 6 batches (\d+) times", m)]
+    assert len(warned) == 1, said
+    times = int(re.search(r"6 batches (\d+) times", warned[0]).group(1))
+    assert 10 <= times <= 50, warned  # 300 steps at most, over 6 batches
+    assert "fine-tun" in warned[0] and "max_lr from 1e-5" in warned[0] and f"({lr:.2g})" in warned[0]

@@ -27,7 +27,8 @@ from ..plots import plot_lines
 from ..schedules import no_special_scalar, sched_exp
 from .batch import as_loader, train_step
 from .hypers import Hypers
-from .suggest import DEFAULT, FLAT, SUGGESTIONS, divergence_end, fell, smooth_losses, suggestions
+from .suggest import (DEFAULT, FLAT, REPEATS, SUGGESTIONS, divergence_end, fell, passes,
+                      smooth_losses, suggestions)
 
 MIN_NUM_IT = 30  # 10% and the last 5 points are dropped, and `slide` compares points 15 apart
 
@@ -92,8 +93,12 @@ def lr_find(model, train_loader, opt, loss_fn: Optional[Callable] = None, start_
     slope), `minimum` (a tenth of the lowest point's lr) and `slide` (where the slope
     flattens, coming back from the end). A sweep whose smoothed loss falls less than 5%
     (`result.fell`: the model barely trained at any lr) warns that its suggestion is a
-    guess. Model and optimizer come back exactly as they were; inside `run` every replica
-    gets the same result.
+    guess. A sweep that went over the training data 10 times or more warns that its curve
+    shows how fast the model fits those few examples: right from scratch, but for a
+    pretrained model fine-tuned on few or noisy labels the suggestion can undo what it
+    knew, and nothing in the curve tells the two apart (issue 47; docs/measured.md). Model
+    and optimizer come back exactly as they were; inside `run` every replica gets the
+    same result.
 
     Args:
         model, train_loader, opt, loss_fn: what train_one_cycle takes (loss_fn None: the
@@ -148,6 +153,7 @@ def lr_find(model, train_loader, opt, loss_fn: Optional[Callable] = None, start_
             f"the suggestion ({_fmt(result.suggestion)}) as a guess, and compare a few max_lr "
             f"with short runs (or sweep longer, num_it={2 * s.num_it})", RuntimeWarning,
             stacklevel=2)
+    _warn_repeats(result, loader)
     if plot is not None and is_master():
         try:
             result.plot = atomic_write(plot, lambda f: f.write(result.png))
@@ -155,6 +161,27 @@ def lr_find(model, train_loader, opt, loss_fn: Optional[Callable] = None, start_
             warnings.warn(f"lr_find: could not write plot={plot!r} ({e}); the result is "
                           f"returned without it (result.png holds the image)", RuntimeWarning)
     return result
+
+
+def _warn_repeats(result: LRFindResult, loader) -> None:
+    """Warn when the sweep went over the training data `REPEATS` times or more: its curve
+    then shows how fast the model fits those examples, which for a fine-tune on a few
+    noisy labels points far too high (suggest.passes)."""
+    try:
+        batches = len(loader)
+    except TypeError:  # no length: an iterable loader
+        return
+    times = passes(len(result.raw_losses), batches)
+    if times >= REPEATS and is_master():
+        warnings.warn(
+            f"lr_find: the sweep went over train_loader's {batches} batches {times:.0f} times, "
+            f"so its curve shows how fast the model fits these few examples, not how well it "
+            f"learns from them. Trained from scratch, the suggestion ({_fmt(result.suggestion)}) "
+            f"can still be good; fine-tuning a pretrained model on few or noisy labels, it can "
+            f"undo what the model knew (a fine-tune on 48 labels, a third wrong, kept 99.7% at "
+            f"max_lr 1e-4 and fell to 81% at the suggestion): for a fine-tune, compare a few "
+            f"max_lr from 1e-5 up with short runs judged on held-out data", RuntimeWarning,
+            stacklevel=3)
 
 
 def _check(start_lr, end_lr, num_it, check_every, suggest, rest: dict) -> _Sweep:

@@ -69,6 +69,29 @@ def fell(smooth: Sequence[float], num_it: int) -> float:
     return max(0.0, (body[0] - min(body)) / body[0])
 
 
+REPEATS = 10  # a sweep that went over its training data this many times fits those examples
+
+
+def passes(steps: int, batches: Optional[int]) -> float:
+    """How many times a sweep of `steps` steps went over a loader of `batches` batches (0
+    when the loader has no length).
+
+    From `REPEATS` on, the curve shows how fast the model fits those few examples, not
+    how well it learns from them. From scratch that still points at a good max_lr; for a
+    pretrained model fine-tuned on a few noisy labels it does not, and nothing in the
+    curve tells the two apart (issue 47, benchmarks/bench_lr_rules.py --workloads
+    finetune, docs/measured.md): the noisy-label fine-tune's sweep fell 61-65% with its
+    lowest point at 0.09-0.13 and the loss first moving near 1e-3, as from-scratch sweeps
+    do, while it kept its accuracy (within 3 points) only up to a max_lr of 1e-3, a
+    hundredth of the lowest point's lr, where from scratch a quarter is best. The 12
+    from-scratch sweeps went over their data 3 to 8 times, the demo's 30 times (2400
+    images, batch 256); the fine-tunes 23 to 50 times.
+    """
+    if not batches:
+        return 0.0
+    return steps / batches
+
+
 def valley(lrs, losses) -> float:
     """The lr a third plus a sixth of the way into the longest descending run of the curve."""
     n = len(losses)
