@@ -466,6 +466,7 @@ def _process_main(launch: _Launch, local_rank: int) -> None:
         dump_file = dump_on_signal(dump_path(launch.outbox, local_rank))  # noqa: F841 (kept open)
         beat = launch.beats.slot(local_rank)
     launch.stages.mark(local_rank, exits.STARTING)
+    memory.compiles_in(launch.outbox)
     if launch.start_method == "fork":
         # torch's OpenMP pool (libgomp) hangs in a forked child if the parent used it, at
         # the child's first parallel CPU op. One thread runs ops inline, as DataLoader

@@ -25,6 +25,10 @@ _FIX = ("split the weights over the devices with tu.fsdp(model) (all cores), tur
         "checkpointing (model.gradient_checkpointing_enable()), keep the weights in bfloat16, "
         "or use a smaller batch")
 _FILE: List[Optional[str]] = [None]
+# Where watch_compiles writes in a replica process: the run's private folder, which the
+# caller removes after the run. (A replica ends with os._exit, which runs no atexit, and
+# may be killed: a folder of its own would be left behind in /tmp, one per run.)
+_FOLDER: List[Optional[str]] = [None]
 _LAST: List[Optional["Memory"]] = [None]  # this process's latest run's, for doctor (`note`)
 
 
@@ -82,6 +86,12 @@ def parse_size(text: str) -> int:
     return size
 
 
+def compiles_in(folder: str) -> None:
+    """In a replica process: `watch_compiles` writes into `folder` (the run's private
+    folder, which the caller removes), not into a folder of its own."""
+    _FOLDER[0] = folder
+
+
 def watch_compiles(env=os.environ) -> None:
     """Have torch_xla write each compiled program's memory to a private file, unless the user
     set its debug variables (then `peak` stays unknown). torch_xla reads them at its first
@@ -89,9 +99,11 @@ def watch_compiles(env=os.environ) -> None:
     if _FILE[0] is not None or any(k in env for k in ("PT_XLA_DEBUG", "PT_XLA_DEBUG_LEVEL",
                                                       "PT_XLA_DEBUG_FILE")):
         return
-    folder = tempfile.mkdtemp(prefix="tpu_utility-compiles-")  # mode 0700
-    atexit.register(shutil.rmtree, folder, True)
-    _FILE[0] = os.path.join(folder, "compiles.txt")
+    folder = _FOLDER[0]
+    if folder is None:  # the caller's own process (a run inside it): a folder of its own
+        folder = tempfile.mkdtemp(prefix="tpu_utility-compiles-")  # mode 0700
+        atexit.register(shutil.rmtree, folder, True)
+    _FILE[0] = os.path.join(folder, f"compiles-{os.getpid()}.txt")
     env["PT_XLA_DEBUG_LEVEL"], env["PT_XLA_DEBUG_FILE"] = "1", _FILE[0]
 
 
