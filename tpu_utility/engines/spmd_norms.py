@@ -17,18 +17,29 @@ of benchmarks/bench_training.py at 8 devices traced its step in 0.88-0.92x the h
 of a hand-written loop with torch_xla's own BatchNorm (1.0x as ops, with the fused
 optimizer step). TPU_UTILITY_SPMD_NORMS=0 keeps torch_xla's own, to
 compare on a TPU, where whether libtpu gathers the same way is not yet measured.
+
+At one device (the single-device engine, and each replica of "launch") BatchNorm alone is
+replaced, for what it keeps: torch_xla's own kernel leaves the biased batch variance in
+`running_var` where torch keeps the unbiased one (2.7e-5 off CPU torch on a BatchNorm CNN
+after 4 SGD steps; 14% of the update of a BatchNorm1d at 8 rows). TPU_UTILITY_SPMD_NORMS=0
+keeps torch_xla's own there too. bfloat16 running statistics (a model cast with
+`.to(torch.bfloat16)` or tu.bf16_weights) are updated in float32 and rounded, as torch's
+CPU kernel does.
 """
 from __future__ import annotations
 
 import functools
+import os
 
 _LOW = ("torch.bfloat16", "torch.float16")
+NORMS_VAR = "TPU_UTILITY_SPMD_NORMS"  # "0": torch_xla's own BatchNorm and LayerNorm
 
 
-def use_partitioned_norms() -> None:
-    """In this process, from now on: BatchNorm and LayerNorm of XLA tensors as reductions."""
+def use_partitioned_norms(layer_norm: bool = True) -> None:
+    """In this process, from now on: BatchNorm (and LayerNorm, unless `layer_norm=False`) of
+    XLA tensors as reductions; nothing where NORMS_VAR is "0"."""
     import torch.nn.functional as F
-    if getattr(F.batch_norm, "_tpu_utility", False):
+    if getattr(F.batch_norm, "_tpu_utility", False) or os.environ.get(NORMS_VAR, "1") == "0":
         return
     native_bn, native_ln = F.batch_norm, F.layer_norm
 
@@ -38,14 +49,16 @@ def use_partitioned_norms() -> None:
             return native_bn(input, running_mean, running_var, weight, bias, training, momentum, eps)
         return _batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
 
-    def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    def partitioned_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
         if input.device.type != "xla":
             return native_ln(input, normalized_shape, weight, bias, eps)
         return _layer_norm(input, tuple(normalized_shape), weight, bias, eps)
 
-    batch_norm._tpu_utility = layer_norm._tpu_utility = True
-    batch_norm.__doc__, layer_norm.__doc__ = native_bn.__doc__, native_ln.__doc__
-    F.batch_norm, F.layer_norm = batch_norm, layer_norm
+    batch_norm._tpu_utility = partitioned_layer_norm._tpu_utility = True
+    batch_norm.__doc__, partitioned_layer_norm.__doc__ = native_bn.__doc__, native_ln.__doc__
+    F.batch_norm = batch_norm
+    if layer_norm:
+        F.layer_norm = partitioned_layer_norm
 
 
 def _batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps):
@@ -73,9 +86,11 @@ def _batch_norm_ops(x, running_mean, running_var, weight, bias, training, moment
         var, mean = torch.var_mean(xf, dim=[0] + list(range(2, x.dim())), unbiased=False)
         if running_mean is not None:
             with torch.no_grad():  # lerp and copy_: what lerp_ becomes, less host time (in_place.py)
-                running_mean.copy_(torch.lerp(running_mean, mean, momentum))
-                running_var.copy_(torch.lerp(running_var, _unbiased(var, per_channel),
-                                             momentum))
+                low = str(running_mean.dtype) in _LOW  # bf16 statistics: updated in float32
+                running_mean.copy_(torch.lerp(running_mean.float() if low else running_mean,
+                                              mean, momentum))
+                running_var.copy_(torch.lerp(running_var.float() if low else running_var,
+                                             _unbiased(var, per_channel), momentum))
     else:
         mean, var = running_mean, running_var
     out = _normalized(xf, mean, var, weight, bias, eps)
@@ -149,7 +164,6 @@ def _forward(x, affine, eps, momentum=None, rest=()):
 @functools.lru_cache(maxsize=None)
 def _training_autograd():
     import torch
-    from torch.autograd.function import once_differentiable
 
     class TrainingBatchNorm(torch.autograd.Function):
         @staticmethod
@@ -166,9 +180,10 @@ def _training_autograd():
             return out, new_mean, new_var
 
         @staticmethod
-        @once_differentiable
         def backward(ctx, grad, _mean, _var):
             saved, affine, eps = list(ctx.saved_tensors), ctx.affine, ctx.eps
+            if torch.is_grad_enabled():  # create_graph=True (a gradient penalty): the ops,
+                return _differentiable_backward(ctx, saved, grad, affine, eps)  # differentiable
 
             def backward_of_forward(x, *rest):
                 *params, grad = rest
@@ -183,6 +198,19 @@ def _training_autograd():
             return grads[0], None, None, None, None, None, None
 
     return TrainingBatchNorm
+
+
+def _differentiable_backward(ctx, saved, grad, affine, eps):
+    """The backward as autograd's own of the ops, with a graph of its own, for a backward
+    that is itself differentiated (torch.autograd.grad(..., create_graph=True))."""
+    import torch
+    wanted = [t for t, need in zip(saved, ctx.needs_input_grad) if need]
+    out = _forward(saved[0], affine, eps, rest=saved[1:])
+    found = iter(torch.autograd.grad(out, wanted, grad, create_graph=True)) if wanted else iter(())
+    grads = [next(found) if need else None for need in ctx.needs_input_grad[:len(saved)]]
+    if not affine:
+        grads += [None, None]
+    return (*grads, None, None, None, None)
 
 
 def _layer_norm(x, normalized_shape, weight, bias, eps):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .base import Engine, cores_error
+from .spmd_norms import use_partitioned_norms
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ class XlaSingle(Engine):
             install()
             note_step()
         watch_compiles()  # before the first compile: torch_xla reads its debug settings once
+        use_partitioned_norms(layer_norm=False)  # BatchNorm's running_var as torch keeps it
         return torch_xla.device()
 
     def loader_options(self, num_workers):

@@ -53,8 +53,7 @@ class XlaSpmd(XlaSingle):
         import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
         xr.use_spmd()
-        if os.environ.get(NORMS_VAR, "1") != "0":
-            use_partitioned_norms()
+        use_partitioned_norms()
         n = xr.global_runtime_device_count()
         if n != setup.devices:
             raise RuntimeError(f"SPMD found {n} devices, expected cores={setup.devices}")
@@ -91,7 +90,6 @@ class XlaSpmd(XlaSingle):
         return t
 
 
-NORMS_VAR = "TPU_UTILITY_SPMD_NORMS"  # "0": torch_xla's own BatchNorm and LayerNorm
 RNG_FLAG = "--xla_tpu_spmd_rng_bit_generator_unsafe"
 
 
