@@ -117,9 +117,10 @@ DataLoader workers, which changes what runs beside the training thread.
   per-parameter loop's results). The line below each table says, for each tpu_utility
   variant against the hand-written loop and for each -nofunc variant against its
   functionalized twin, whether it is equal. Known differences: the transformer's
-  train_one_cycle (another schedule); and at 8 cores the CNN's tpu_utility variants, whose
-  engine ("spmd") computes BatchNorm (and LayerNorm) as reductions the partitioner splits
-  (tpu_utility/engines/spmd_norms.py) where the hand-written loop has torch_xla's own:
+  train_one_cycle (another schedule); and the CNN's tpu_utility variants, whose engine
+  computes BatchNorm (at 8 cores LayerNorm too) as reductions the partitioner splits
+  (tpu_utility/engines/spmd_norms.py; at 1 core for torch's running variance, issue 47)
+  where the hand-written loop has torch_xla's own:
   rounding apart the same numbers (at smoke sizes the CNN's final losses 2e-7 to 6e-4
   apart, its toy training diverging; the transformer's, whose LayerNorm is switched too, 0
   to 1.2e-7). The same switch shows in the CNN's figures at 8 cores: torch_xla's

@@ -105,6 +105,10 @@ def pytest_configure(config):
     # calls included: torch_xla attributes them to the caller). Processes the tests start
     # get the same filter from tests/sitecustomize.py.
     config.addinivalue_line("filterwarnings", r"error::DeprecationWarning:tpu_utility(\.|$)")
+    # The heavy benchmark smoke tests prove the benchmark scripts run where their figures
+    # are measured, the development stack; the Kaggle and Colab suites leave them out
+    # (`-m "not dev_stack"` in the README's commands) to stay under 10 minutes on 2 cores.
+    config.addinivalue_line("markers", "dev_stack: run on the development stack's suite only")
     # Python 3.12+ warns on every fork from a process with threads (torch's, here; a
     # notebook kernel's, for users). Forking is how replicas and DataLoader workers start
     # in notebooks; the known hazards are handled where they fork (one torch thread in the

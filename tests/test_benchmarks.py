@@ -3,6 +3,8 @@ unseen; the counts they print are checked, never their times (their figures are 
 full runs)."""
 import sys
 
+import pytest
+
 from conftest import ROOT, run_process, run_python
 
 
@@ -52,6 +54,7 @@ def test_bench_reads_smoke():
     assert [cell.split(", ")[1:] for cell in saves] == [["0", "8"], ["0", "1"]], out
 
 
+@pytest.mark.dev_stack
 def test_bench_checkpoint_smoke():
     out = bench("bench_checkpoint.py", "--samples", "256", "--epochs", "1", "--rounds", "1", "--cores", "1")
     row = next(line.split("|") for line in out.splitlines() if line.startswith("| 1 "))
@@ -74,6 +77,7 @@ def training_rows(out):
     return rows
 
 
+@pytest.mark.dev_stack
 def test_bench_training_smoke():
     """Three of the 18 jobs of `--workloads mlp,cnn,transformer --cores 1,8`: each job is a
     fresh process (~4.5 s of imports) that compiles its graphs (~2 s each for these models
@@ -157,8 +161,8 @@ def check_learns(torch, w):
     assert min(losses[-3:]) < losses[0], (w.name, losses)
 
 
+@pytest.mark.dev_stack
 def test_bench_augment_smoke():
-    import pytest
     pytest.importorskip("torchvision")  # the Kaggle pipeline's baseline; in the dev set-up only
     # One round of each figure's loop is enough to prove the script runs and what it counts.
     # (Figure 2 keeps its 3 warm-up steps: Adam's first steps compile graphs of their own.)
@@ -181,6 +185,7 @@ def test_bench_engines_tpu_starts_and_refuses_a_host_without_a_tpu():
         "bench_engines_tpu.py needs a TPU host: found no TPU chips (platform cpu)"), proc.stderr
 
 
+@pytest.mark.dev_stack
 def test_bench_spmd_audit_smoke():
     """One model of the audit (a BatchNorm CNN, torch_xla's own BatchNorm): the dumps are
     found and read; its BatchNorms gather the global batch (the count, not a time)."""
