@@ -175,12 +175,10 @@ def _warn_repeats(result: LRFindResult, loader) -> None:
     if times >= REPEATS and is_master():
         warnings.warn(
             f"lr_find: the sweep went over train_loader's {batches} batches {times:.0f} times, "
-            f"so its curve shows how fast the model fits these few examples, not how well it "
-            f"learns from them. Trained from scratch, the suggestion ({_fmt(result.suggestion)}) "
-            f"can still be good; fine-tuning a pretrained model on few or noisy labels, it can "
-            f"undo what the model knew (a fine-tune on 48 labels, a third wrong, kept 99.7% at "
-            f"max_lr 1e-4 and fell to 81% at the suggestion): for a fine-tune, compare a few "
-            f"max_lr from 1e-5 up with short runs judged on held-out data", RuntimeWarning,
+            f"so its suggestion ({_fmt(result.suggestion)}) is where the model fits these "
+            f"examples fastest: good when training from scratch, but when fine-tuning a "
+            f"pretrained model on few or noisy labels it can undo what the model knew, so "
+            f"there compare a few max_lr from 1e-5 up on held-out data", RuntimeWarning,
             stacklevel=3)
 
 
