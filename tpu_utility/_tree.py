@@ -138,14 +138,24 @@ def replace_tensors_anywhere(data: Any, replacements: Dict[int, Any]) -> Any:
     _Finder(buf, kept).dump(data)
     buf.seek(0)
     table = {key: replacements.get(key, t) for key, t in kept.items()}
-    unpickler = pickle.Unpickler(buf)
-    unpickler.persistent_load = table.__getitem__
-    return unpickler.load()
+    return _Loader(buf, table).load()
 
 
 class _Discard:
     def write(self, b) -> int:
         return len(b)
+
+
+class _Loader(pickle.Unpickler):
+    """An unpickler that puts back each tensor `_Finder` wrote as a reference. (A method of
+    a subclass: Python 3.13's Unpickler refuses `persistent_load` set on an instance.)"""
+
+    def __init__(self, file, table: Dict[int, Any]):
+        super().__init__(file)
+        self._table = table
+
+    def persistent_load(self, key):
+        return self._table[key]
 
 
 class _Finder(pickle.Pickler):
