@@ -1,4 +1,5 @@
 """run(): engine choice, bad input, the multi-process launch path, replica errors."""
+import os
 import pytest
 
 import tpu_utility as tu
@@ -198,7 +199,10 @@ def test_runs_leave_no_temporary_folder_behind(run_script, tmp_path):
         if __name__ == "__main__":
             out = [tu.run(step, cores=cores, start_method="fork") for cores in (1, 8)]
             out.append(tu.run(step, cores=2, engine="distributed", start_method="fork"))
-            print("RESULT", json.dumps({{"out": out, "left": sorted(os.listdir({str(temp)!r}))}}))
+            print("RESULT", json.dumps({{"out": out}}))
     """).result
     assert r["out"][:2] == [6.0, 6.0], r
-    assert r["left"] == [], r
+    # Read once the script has exited: torch makes a TemporaryDirectory of its own when
+    # torch._dynamo is first imported (torch/distributed/nn/jit/instantiator.py), removed
+    # at the caller's exit; read inside the script, it showed as left behind under load.
+    assert sorted(os.listdir(temp)) == [], r
