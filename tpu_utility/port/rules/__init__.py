@@ -8,7 +8,7 @@ import ast
 from typing import List
 
 from ..facts import ModuleFacts
-from . import accelerate, amp_io, device, distributed, loaders, order, steps, structure
+from . import accelerate, amp_io, device, distributed, entry, loaders, order, sampled, steps, structure
 from .rule import Context, Rule
 
 RULES: List[Rule] = [
@@ -21,8 +21,10 @@ RULES: List[Rule] = [
     *amp_io.RULES,
     *steps.PASSES,
     *loaders.PASSES,
+    *sampled.PASSES,
     *order.RULES,
     *structure.PASSES,
+    *entry.PASSES,
 ]
 
 
