@@ -44,7 +44,15 @@ def autocast(enabled: bool = True) -> "Autocast":
 
 class Autocast(contextlib.ContextDecorator):
     """What `autocast()` returns: the precision of the calling replica's device, chosen
-    on entry."""
+    on entry.
+
+    Example (CPU tensors are not cast, on any device):
+        >>> import torch, tpu_utility as tu
+        >>> with tu.autocast():
+        ...     y = torch.ones(2, 2) @ torch.ones(2, 2)
+        >>> isinstance(tu.autocast(), tu.Autocast), y.dtype
+        (True, torch.float32)
+    """
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled

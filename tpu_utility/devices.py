@@ -217,6 +217,15 @@ def master_print(*args, **kwargs) -> None:
 
 @dataclass
 class Scaled:
+    """What `scale_lr_bs` returns.
+
+    Example:
+        >>> import tpu_utility as tu
+        >>> s = tu.scale_lr_bs(1e-3, 32, cores=8, verbose=False)
+        >>> isinstance(s, tu.Scaled), s.lr, s.global_batch_size
+        (True, 0.008, 256)
+    """
+
     lr: float
     batch_size: int  # per core
     global_batch_size: int

@@ -16,7 +16,14 @@ from .reads import library_reads, ours
 
 @dataclass
 class XlaReport:
-    """What `report()` found: counts from torch_xla's metrics and one-line hints."""
+    """What `report()` found: counts from torch_xla's metrics and one-line hints.
+
+    Example:
+        >>> import tpu_utility as tu
+        >>> r = tu.XlaReport(compiles=3, compile_s=1.5, executions=40, transfers=1, fallbacks={})
+        >>> r.compiles, r.hints
+        (3, [])
+    """
 
     compiles: int
     compile_s: float
@@ -31,8 +38,7 @@ class XlaReport:
     memory: Optional[Memory] = None  # per device, from the first optimizer step and compiles
 
     def __str__(self) -> str:
-        lines = [self.engine] if self.engine else []
-        lines += [f"XLA: {self.compiles} compiles ({self.compile_s:.1f} s), {self.executions} "
+        lines = [f"XLA: {self.compiles} compiles ({self.compile_s:.1f} s), {self.executions} "
                  f"executions, {self.transfers} device-to-host transfers"]
         if self.fallbacks:
             ops = ", ".join(f"{k} x{v}" for k, v in sorted(self.fallbacks.items()))
@@ -87,7 +93,9 @@ def report(history=None, *, verbose: bool = True) -> XlaReport:
         rep.hints.append(peak_hint(rep.memory))
     if verbose:
         from .devices import master_print
-        master_print(str(rep))
+        # run() printed the engine line as a run on several cores started: not twice
+        said = current().engine.world_size > 1
+        master_print(str(rep) if said or not rep.engine else f"{rep.engine}\n{rep}")
     return rep
 
 

@@ -31,7 +31,14 @@ _PAD_MODES = ("reflection", "border", "zeros")
 class Augment:
     """What `aug_transforms` returns: pass it to `make_loader(..., augment=...)`.
 
-    Fields are the arguments of `aug_transforms`, checked; probabilities are per sample."""
+    Fields are the arguments of `aug_transforms`, checked; probabilities are per sample.
+
+    Example:
+        >>> import tpu_utility as tu
+        >>> aug = tu.aug_transforms(size=32, max_rotate=0)
+        >>> isinstance(aug, tu.Augment), aug.max_rotate
+        (True, 0.0)
+    """
 
     size: Optional[Tuple[int, int]]
     min_scale: float
