@@ -33,7 +33,7 @@ import contextlib
 import functools
 from typing import ContextManager
 
-from .compat import functionalization_on
+from .compat import functional_tensor_check, functionalization_on
 
 # Pointwise ops torch's optimizers update their state with, in place. The arithmetic
 # four by a Python number trace faster in place (C++ meta kernels, no operand to upload),
@@ -62,7 +62,7 @@ def _twins() -> dict:
 def _mode():
     import torch
     from torch.overrides import TorchFunctionMode
-    twins, functional, copy_all = _twins(), torch._is_functional_tensor, torch._foreach_copy_
+    twins, functional, copy_all = _twins(), functional_tensor_check(), torch._foreach_copy_
 
     class OutOfPlace(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
