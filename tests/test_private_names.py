@@ -58,3 +58,4 @@ def test_the_scan_finds_each_kind_of_use(tmp_path):
                    "z = torch._foreach_copy_\n")
     assert uses(bad) == ["bad.py:2 _image_files", "bad.py:4 torch._is_functional_tensor",
                          "bad.py:5 rules._Finder"]
+

@@ -93,3 +93,14 @@ def test_the_switches_table_names_every_variable_the_code_reads():
     from tpu_utility.engines import REGISTRY
     engines = next(row for row in readme_table("Switches") if "engine=" in row[0])
     assert set(re.findall(r'`"(\w+)"`', engines[1])) == set(REGISTRY), engines
+
+
+def test_every_link_into_measured_md_names_a_heading():
+    slugs = set()
+    for line in (ROOT / "docs" / "measured.md").read_text().splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            slugs.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    links = [(path.name, anchor) for path in PACKAGE.rglob("*.py")
+             for anchor in re.findall(r"measured\.md#([\w\-]+)", path.read_text())]
+    assert len(links) >= 4 and [link for link in links if link[1] not in slugs] == []

@@ -4,9 +4,10 @@ runs it both ways and compares the parameters bit for bit.
 torch_xla wraps every XLA tensor in a functional tensor, so that in-place ops and views
 trace as pure functions. Tracing through that layer is much of a step's host CPU (torch
 runs a Python meta function for each in-place `lerp_`, `addcmul_` and `addcdiv_` of Adam's
-step): without it the host CPU per step of an Adam MLP or CNN was 0.41-0.47x a
-hand-written loop's at one device and 0.52-0.63x at 8, with bit-equal losses
-(docs/measured.md); torch_xla's own benchmark runner turns it off. Without it some ops
+step): without it an Adam model's host CPU per step falls to about half a hand-written
+loop's, with bit-equal losses
+(docs/measured.md#bench_training-with-real-workloads-the-meter-and-the-functionalization-switch-issue-33);
+torch_xla's own benchmark runner turns it off. Without it some ops
 fail outright (the README lists those we found) and in-place changes through views may
 trace differently. So `run(..., functionalization=False)` is opt-in, and this check says
 whether a given train_fn trains the same without it.
