@@ -13,11 +13,12 @@ from .images import (ImageCsvDataset, ImageFolderDataset, PresizeReport, denorma
                      presize_images, show_batch)
 from .fsdp import fsdp
 from .functionalization import FunctionalizationCheck, check_functionalization
-from .launcher import ReplicasExited, run
+from .launch.parent import run
+from .launch.preemption import Preempted
+from .launch.results import ReplicasExited
+from .launch.stall import Stalled
 from .loop import History, LRFindResult, accuracy, gather, lr_find, predict, train_one_cycle
-from .preemption import Preempted
 from .reporting import XlaReport, report
-from .stall import Stalled
 
 __all__ = [
     "Augment", "Autocast", "CachedDataset", "DeviceLoader", "FunctionalizationCheck",

@@ -121,7 +121,8 @@ class NoScaler:
 
     def step(self, optimizer, *args: Any, **kwargs: Any):
         # as torch's: the arguments go to optimizer.step (a closure, for LBFGS)
-        return current().optimizer_step(optimizer, *args, **kwargs)
+        from . import step
+        return step.of().optimizer_step(optimizer, *args, **kwargs)
 
     def update(self, new_scale: Optional[float] = None) -> None:
         pass
@@ -164,7 +165,8 @@ def _cuda_scaler_class():
 
         def _average(self, optimizer):
             if id(optimizer) not in self._averaged:
-                current().sync_gradients(optimizer)
+                from . import step
+                step.of().sync_gradients(optimizer)
                 self._averaged.add(id(optimizer))
 
     return ReplicaGradScaler

@@ -89,7 +89,8 @@ def optimizer_step(opt, closure: Optional[Callable] = None, **step_kwargs: Any) 
         >>> round(float(loss.detach()), 2)
         1.62
     """
-    return current().optimizer_step(opt, closure, **step_kwargs)
+    from . import step
+    return step.of().optimizer_step(opt, closure, **step_kwargs)
 
 
 def average_gradients(params: Iterable["torch.Tensor"]) -> None:
@@ -120,7 +121,8 @@ def average_gradients(params: Iterable["torch.Tensor"]) -> None:
         >>> [round(v, 4) for v in tu.to_cpu(w).tolist()]
         [0.7, 0.7]
     """
-    current().average_gradients(params)
+    from . import step
+    step.of().average_gradients(params)
 
 
 def all_reduce(tensor: "torch.Tensor", op: str = "sum") -> "torch.Tensor":

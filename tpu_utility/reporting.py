@@ -84,10 +84,11 @@ def report(history=None, *, verbose: bool = True) -> XlaReport:
         sites, loaders, waits, shapes = caller_code(sys._getframe(1))
     except Exception:  # a diagnostic never fails the run it reports on
         sites, loaders, waits, shapes = [], [], [], []
+    from . import step
     from .replica import current
     rep.hints = hints(rep, history, sites, loaders, waits, shapes, reads=current().reads.sites)
     rep.engine = _engine_line()
-    rep.memory = with_peak(current().memory)
+    rep.memory = with_peak(step.of().memory)
     if rep.memory is not None and rep.memory.peak and rep.memory.limit \
             and rep.memory.peak > rep.memory.limit:
         rep.hints.append(peak_hint(rep.memory))
@@ -197,8 +198,8 @@ def hints(rep: XlaReport, history=None, sites=(), loaders=(), waits=(), shapes=(
     steps = getattr(history, "input", None) or max(
         waits, key=lambda w: idle_share(w.host_ms, w.device_ms) or 0.0, default=None)
     if steps is not None and host_bound(steps):
-        from .replica import current
-        out.append(host_cure(steps, foreach_off=current().steps_per_parameter(),
+        from . import step
+        out.append(host_cure(steps, foreach_off=step.of().steps_per_parameter(),
                              functionalization=functionalization_on()))
     epochs = list(getattr(history, "epochs", None) or [])
     later = [e.compiles for e in epochs[1:]]

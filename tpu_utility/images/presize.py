@@ -189,7 +189,7 @@ def _presize_all(todo, workers: int) -> Iterator[Tuple[str, Optional[str]]]:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
-    from ..children import die_with_parent
+    from ..launch.children import die_with_parent
     # Chunks amortise the IPC round trip (~1 ms) over several files, yet stay small
     # enough for the bar to move and for the cores to finish together.
     chunk = max(1, min(32, len(todo) // (workers * 8)))

@@ -22,7 +22,7 @@ from ..devices import get_device, is_master, optimizer_step, sync, to_cpu
 from ..replica import current
 from ..files import atomic_write, check_writable
 from ..hf import masks_without_reads
-from ..launcher import must_isolate, run_isolated
+from ..launch.parent import must_isolate, run_isolated
 from ..plots import plot_lines
 from ..schedules import no_special_scalar, sched_exp
 from .batch import as_loader, train_step
