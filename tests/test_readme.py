@@ -104,3 +104,15 @@ def test_every_link_into_measured_md_names_a_heading():
     links = [(path.name, anchor) for path in PACKAGE.rglob("*.py")
              for anchor in re.findall(r"measured\.md#([\w\-]+)", path.read_text())]
     assert len(links) >= 4 and [link for link in links if link[1] not in slugs] == []
+
+
+def test_docstrings_keep_behaviour_and_leave_measured_figures_to_measured_md():
+    import ast
+    figure = re.compile(r"\b\d+(\.\d+)?(-\d+(\.\d+)?)?x\b(?! (its|the) minim)|\b\d+(\.\d+)? ?ms\b")
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = (ast.get_docstring(node, clean=False) or "").split("Example")[0]
+                found += [f"{path.name}: {m.group(0)}" for m in figure.finditer(doc)]
+    assert found == [], found

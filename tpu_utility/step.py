@@ -300,9 +300,8 @@ def prefer_foreach(opt) -> None:
     """Set `foreach=True` in the param groups of `opt` that left it unset (None), for
     optimizers that take it. torch picks its foreach kernels only on CUDA and CPU; on XLA
     the default steps parameter by parameter, and tracing that is most of a small model's
-    host time per step (Adam about 0.5 ms per parameter tensor). With foreach the whole
-    step took 0.72-0.79x of the host CPU inside train_one_cycle, with bit-equal results
-    (XLA_NOTES.md). Groups with `fused`, `capturable` or `differentiable` set are left
+    host time per step. With foreach the whole step takes less of the host's CPU, with
+    bit-equal results (docs/measured.md#the-optimizer-steps-host-cpu). Groups with `fused`, `capturable` or `differentiable` set are left
     alone (torch refuses foreach with them on XLA), as is an explicit `foreach=False`, and
     groups with a tensor among their numbers (`lr=torch.tensor(0.01)`: torch's foreach
     step refuses a tensor lr without `capturable`). An optimizer that lists a weight twice

@@ -43,14 +43,27 @@ class Launch:
 
 
 def process_main(launch: Launch, local_rank: int) -> None:
+    """A replica process of the run: readied, then its engine starts its replicas."""
+    beat, _dump_file = _ready(launch, local_rank)  # the file stays open while the replicas run
+    try:
+        launch.engine.start(launch.setup, local_rank,
+                            functools.partial(_replica_main, launch, beat, local_rank))
+    except BaseException as e:  # the engine failed to start (a replica's own errors are reported)
+        report_error(launch.results, launch.outbox, local_rank, e)
+
+
+def _ready(launch: Launch, local_rank: int) -> tuple:
+    """The process readied: it dies with its parent; functionalization as asked; its
+    stack dump on the stall watch's signal; compile memory into the run's folder; one
+    torch thread after a fork. Returns its heartbeat slot and the open dump file."""
     die_with_parent(launch.parent_pid)
     if launch.functionalization is not None:
         # torch_xla reads it at every tensor it makes: set before train_fn makes one, it
         # holds for the whole replica, even where the caller imported torch_xla.
         os.environ[FUNCTIONALIZATION_ENV] = "0" if launch.functionalization else "1"
-    beat = None
+    beat = dump_file = None
     if launch.beats is not None:
-        dump_file = dump_on_signal(dump_path(launch.outbox, local_rank))  # noqa: F841 (kept open)
+        dump_file = dump_on_signal(dump_path(launch.outbox, local_rank))
         beat = launch.beats.slot(local_rank)
     launch.stages.mark(local_rank, exits.STARTING)
     memory.compiles_in(launch.outbox)
@@ -60,11 +73,7 @@ def process_main(launch: Launch, local_rank: int) -> None:
         # workers do; XLA's own threads are unaffected.
         import torch
         torch.set_num_threads(1)
-    try:
-        launch.engine.start(launch.setup, local_rank,
-                            functools.partial(_replica_main, launch, beat, local_rank))
-    except BaseException as e:  # the engine failed to start (a replica's own errors are reported)
-        report_error(launch.results, launch.outbox, local_rank, e)
+    return beat, dump_file
 
 
 def _replica_main(launch: Launch, beat, local_rank: int, engine) -> None:

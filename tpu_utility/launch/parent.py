@@ -73,9 +73,9 @@ def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), 
             the replicas' Python stacks are dumped and the run stops with `Stalled`, which
             names the line each replica waits on.
         functionalization: False starts the replicas with torch_xla's functionalization
-            off (XLA_DISABLE_FUNCTIONALIZATION=1), which traces each step with less host
-            CPU: with Adam 0.41-0.47x at one device, 0.52-0.63x at 8 (bench_training, on
-            an MLP and a CNN). Some ops then fail and in-place changes
+            off (XLA_DISABLE_FUNCTIONALIZATION=1), which traces each step with about half
+            the host CPU with Adam (docs/measured.md#bench_training-with-real-workloads-the-meter-and-the-functionalization-switch-issue-33).
+            Some ops then fail and in-place changes
             through views can differ: run `tu.check_functionalization` on your train_fn
             first. None: as the environment says (on by default); True: on. XLA only.
 
