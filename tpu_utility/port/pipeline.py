@@ -10,6 +10,7 @@ from .edits import apply, split_lines
 from .facts import module_facts
 from .magics import mask_magics
 from .rules import Finder
+from .rules.steps import blocks
 from .rules.structure import WRAP, training_functions, trains
 from .wrap import wrap_top_level
 
@@ -83,6 +84,9 @@ def port_source(source: str, optimizers: Optional[set] = None,
     finder.visit(tree)
     finder.passes(tree)
     edits, notes = finder.edits, finder.notes
+    edits.fill_emptied(blocks(tree))
+    text = apply(source, edits.edits)
+    check_parses(source, text, edits, wrapped is not None)
     swaps = sorted(zip(edits.swaps, edits.swap_rules))
     todo = sorted(zip(notes.todo, notes.rules))
     fixes = [(line, fix) for (line, _), fix in zip(notes.todo, notes.fixes) if fix]
@@ -94,6 +98,41 @@ def port_source(source: str, optimizers: Optional[set] = None,
         todo = sorted([((wrapped.line(n), w), r) for (n, w), r in todo]
                       + [(note, WRAP.id) for note in wrapped.notes])
         fixes = []
-    return PortResult(apply(source, edits.edits), [s for s, _ in swaps], [t for t, _ in todo],
+    return PortResult(text, [s for s, _ in swaps], [t for t, _ in todo],
                       swap_rules=[(s[0], r) for s, r in swaps],
                       note_rules=[(t[0], r) for t, r in todo], note_fixes=fixes)
+
+
+def check_parses(source: str, text: str, edits, wrapped: bool) -> None:
+    """Raise a ValueError naming the rules behind it where port's own output does not parse:
+    the original parsed, so the fault is port's, never the user's file.
+
+    Args:
+        source: the source the edits apply to (a wrapped script's wrapped text).
+        text: `source` with every edit spliced in.
+        edits: the Edits, each with the id of the rule that made it.
+        wrapped: whether port wrapped the script (then `source` is port's too).
+    """
+    try:
+        parse(text)
+        return
+    except SyntaxError as e:
+        error = e
+    rules = sorted(set(edits.edit_rules.get(e, "") for e in edits.edits) - {""})
+    faulty = [r for r in rules if _parses(apply(source, [e for e in edits.edits
+                                                         if edits.edit_rules.get(e) != r]))]
+    if wrapped and not _parses(source):
+        faulty.append(WRAP.id)
+    named = ", ".join(f"`{r}`" for r in faulty or rules)
+    raise ValueError(f"port: its own output does not parse (line {error.lineno}: {error.msg}) "
+                     f"after rule{'s' if len(faulty or rules) != 1 else ''} {named}: the fault "
+                     f"is port's, not your file's (which parses); nothing written: please "
+                     f"report it with your file")
+
+
+def _parses(text: str) -> bool:
+    try:
+        parse(text)
+        return True
+    except SyntaxError:
+        return False
