@@ -689,6 +689,60 @@ def step(x):
 def step(x):
     return x * 2
 '''),
+    Case('reads.conversion', '''\
+def fit(model, opt, loader, writer):
+    for step, (x, y) in enumerate(loader):
+        loss = model(x, y)
+        loss.backward()
+        writer.add_scalar("loss", loss, step)
+''', '''\
+def fit(model, opt, loader, writer):
+    for step, (x, y) in enumerate(loader):
+        loss = model(x, y)
+        loss.backward()
+        writer.add_scalar("loss", loss, step)
+''', notes=('reads.conversion',)),
+    Case('reads.percent-format', '''\
+def fit(model, opt, loader):
+    for x, y in loader:
+        loss = model(x, y)
+        loss.backward()
+        print("%.3f" % loss)
+''', '''\
+def fit(model, opt, loader):
+    for x, y in loader:
+        loss = model(x, y)
+        loss.backward()
+        print("%.3f" % loss)
+''', notes=('reads.percent-format',)),
+    Case('reads.f-string', '''\
+def fit(model, opt, loader):
+    for x, y in loader:
+        loss = model(x, y)
+        loss.backward()
+        print(f"{loss:.3f}")
+''', '''\
+def fit(model, opt, loader):
+    for x, y in loader:
+        loss = model(x, y)
+        loss.backward()
+        print(f"{loss:.3f}")
+''', notes=('reads.f-string',)),
+    Case('reads.logging-round', '''\
+def fit(model, opt, loader, writer):
+    for step, (x, y) in enumerate(loader):
+        model(x, y).backward()
+        if step % 100 == 0:
+            for name, value in model.named_parameters():
+                writer.add_histogram(name, value.data.cpu().numpy(), step)
+''', '''\
+def fit(model, opt, loader, writer):
+    for step, (x, y) in enumerate(loader):
+        model(x, y).backward()
+        if step % 100 == 0:
+            for name, value in model.named_parameters():
+                writer.add_histogram(name, value.data.cpu().numpy(), step)
+''', notes=('io.host-read', 'reads.logging-round')),
 ]
 
 

@@ -95,7 +95,9 @@ def port(path: str, *, write: bool = True, force: bool = False) -> PortResult:
         try:
             result = port_project(path, original)
             for ported in [result] + result.modules:
-                ported.text = add_import(ported.text)
+                before, ported.text = ported.text, add_import(ported.text)
+                if before != ported.text:  # the notes' lines below the import move down
+                    ported.shift(after=_first_difference(before, ported.text))
         except SyntaxError as e:
             local_modules(path)  # a module beside it that does not parse is the user's too
             raise ValueError(f"port: its own output for {path} does not parse (line {e.lineno}: "
@@ -112,6 +114,12 @@ def port(path: str, *, write: bool = True, force: bool = False) -> PortResult:
         for ported in outputs:
             atomic_write(ported.output, lambda f, b=data[ported.output]: f.write(b))
     return result
+
+
+def _first_difference(before: str, after: str) -> int:
+    """How many lines `before` and `after` share at their start."""
+    old, new = before.splitlines(), after.splitlines()
+    return next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), len(old))
 
 
 def _encoded(text: str, output: str) -> bytes:

@@ -28,6 +28,15 @@ def inside(inner, outer) -> bool:
         (inner[2], inner[3]) <= (outer[2], outer[3])
 
 
+def output_line(edits, line: int) -> int:
+    """The line of the spliced text where line `line` of the source lands."""
+    out = line
+    for start, col, end, end_col, new in edits:
+        if start < line and end <= line or (start, col, end, end_col) == (line, 0, line, 0):
+            out += new.count("\n") - (end - start)
+    return out
+
+
 def apply(source: str, edits) -> str:
     """Splice the edits ((line, col, end_line, end_col, new), as `span`) into source."""
     lines = split_lines(source)

@@ -8,7 +8,7 @@ import ast
 from typing import List
 
 from ..facts import ModuleFacts
-from . import accelerate, amp_io, conditions, device, distributed, loaders, order, runtime, steps, structure
+from . import accelerate, amp_io, conditions, device, distributed, loaders, order, reads, runtime, steps, structure
 from .rule import Context, Rule
 
 RULES: List[Rule] = [
@@ -21,10 +21,12 @@ RULES: List[Rule] = [
     *steps.CALL_RULES,
     *loaders.RULES,
     *amp_io.RULES,
+    *reads.RULES,
     *steps.PASSES,
     *loaders.PASSES,
     *order.RULES,
     *runtime.PASSES,
+    *reads.PASSES,
     *structure.PASSES,
 ]
 
