@@ -51,7 +51,7 @@ class Notes:
         facts, code = self.facts, self.edits.source(node)
         if attr == "item" and facts.inside_loop(node, facts.step_loops) and \
                 facts.under_if_in_loop(node):  # under an `if`: a log point, not every step
-            self.training_read(node)
+            self.training_read(node, quiet=True)
         elif attr == "item" and facts.inside_loop(node, facts.step_loops):
             self.add(node.lineno, f"`{code}` reads the device every step (a host transfer): "
                      f"sum on the device and read once per epoch")
@@ -72,9 +72,11 @@ class Notes:
                      f"own share of the data); collect the outputs and targets and use "
                      f"tu.gather(torch.cat(outputs), loader), then read once")
 
-    def training_read(self, node) -> None:
+    def training_read(self, node, quiet: bool = False) -> None:
         """A host read in a step loop (`float(loss)`, `'%.3f' % loss`, `x.cpu()`): listed
-        where it runs every step, and where it runs in a logging round (one note a line)."""
+        where it runs every step, and where it runs in a logging round (one note a line).
+        `quiet`: a logging round's `loss.item()`, the usual log point: counted in its
+        round's note, not listed on its own (a round of only such reads gets no note)."""
         site, round_if = read_site(self.facts, node)
         if not site or any(inside(span(node), done) for done in self.reads):
             return  # `x.cpu()` of `x.cpu().numpy()`: one read, listed once
@@ -86,14 +88,17 @@ class Notes:
                      f"per epoch or under a logging `if`")
             return
         often = times(self.facts, node, round_if)
-        self.rounds.setdefault(id(round_if), (round_if, []))[1].append((node.lineno, code, often))
-        self.add(node.lineno, f"`{code}` reads the device {often + ' ' if often else ''}each "
-                 f"time the logging round at line {round_if.lineno} runs (a host transfer that "
-                 f"waits for the step)")
+        self.rounds.setdefault(id(round_if), (round_if, []))[1].append((node.lineno, quiet, often))
+        if not quiet:
+                self.add(node.lineno, f"`{code}` reads the device {often + ' ' if often else ''}"
+                     f"each time the logging round at line {round_if.lineno} runs (a host "
+                     f"transfer that waits for the step)")
 
     def round_totals(self) -> None:
         """One note per logging round: its host reads, counted per run where countable."""
         for round_if, reads in self.rounds.values():
+            if all(quiet for _, quiet, _ in reads):
+                continue
             fixed = sum(int(o.split()[0]) if o and o.split()[0].isdigit() else 1
                         for _, _, o in reads if " per " not in o)
             per = sorted({o.split(" per ", 1)[1] for _, _, o in reads if " per " in o})
