@@ -12,7 +12,7 @@ from .rule import Context, Rule, always
 
 # methods whose result is a tensor again (`loss.detach()`, `x.grad.norm()`)
 _TENSOR_METHODS = {"detach", "mean", "sum", "norm", "max", "min", "std", "var", "clone", "float",
-                   "abs", "sqrt", "exp", "log", "square", "argmax", "cpu", "data", "any", "all"}
+                   "abs", "sqrt", "exp", "log", "square", "argmax", "cpu", "cuda", "to", "any", "all"}
 # torch's functions whose result is not a tensor, or reads nothing
 _NOT_TENSOR = re.compile(r"torch\.(no_grad|device|save|load|manual_seed|is_\w+|cuda\.\w+|set_\w+)$")
 
@@ -100,11 +100,11 @@ def _read(ctx: Context, node) -> None:
 RULES = [
     Rule("reads.conversion", "`float(loss)`, `writer.add_scalar(tag, loss)`, `'{}'.format("
          "loss)` and `.any()` in an `if` in a training loop are listed: each reads the device",
-         ast.Call, _converts, _read, inside=False),
+         ast.Call, _converts, _read),
     Rule("reads.percent-format", "`'%.3f' % loss` in a training loop is listed: it reads the "
-         "device", ast.BinOp, _formats, _read, inside=False),
+         "device", ast.BinOp, _formats, _read),
     Rule("reads.f-string", "an f-string of a tensor in a training loop is listed: it reads "
-         "the device", ast.JoinedStr, _fstring, _read, inside=False),
+         "the device", ast.JoinedStr, _fstring, _read),
 ]
 PASSES = [
     Rule("reads.logging-round", "a logging round (`if step % 100 == 0:` in a training loop) "
