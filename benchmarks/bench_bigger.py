@@ -35,8 +35,7 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 def train(config, seq, batch, steps):
     import torch
     import tpu_utility as tu
-    from tpu_utility import memory
-    from tpu_utility.replica import current
+    from tpu_utility import memory, step
     from transformers import BertConfig, BertForSequenceClassification
     device = tu.get_device()
     torch.manual_seed(0)
@@ -65,7 +64,7 @@ def train(config, seq, batch, steps):
         opt.zero_grad()
     tu.sync()
     seconds = time.perf_counter() - start
-    mem = memory.with_peak(current().memory)
+    mem = memory.with_peak(step.of().memory)
     return {"config": config, "params": sum(p.numel() for p in model.parameters()),
             "parameters": mem.parameters, "gradients": mem.gradients, "optimizer": mem.optimizer,
             "peak": mem.peak, "samples_per_s": steps * batch * tu.world_size() / seconds}

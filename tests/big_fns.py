@@ -70,9 +70,8 @@ def train(model="bert", *, checkpointing=False, split=False, steps=3, batch=16, 
     `steps // 2`, then a fresh model and optimizer load them and take the later steps
     again on the same batches ("resumed": its final weights)."""
     import torch_xla
-    from tpu_utility import fused_step, memory
+    from tpu_utility import fused_step, memory, step as steps_of
     from tpu_utility.compat import sharded
-    from tpu_utility.replica import current
     device = tu.get_device()
     net = (bert(dropout, layers=layers) if model == "bert" else Blocks(checkpointing if checkpointing != "hf" else None)).to(device)
     if checkpointing == "hf":
@@ -112,7 +111,7 @@ def train(model="bert", *, checkpointing=False, split=False, steps=3, batch=16, 
     result = {"report": str(tu.report(verbose=False)),"losses": [float(x) for x in tu.to_cpu(losses)],
             "state": tu.to_cpu(net.state_dict()),
             "peak": max(peaks) if peaks else None,
-            "memory": vars(current().memory).copy() if current().memory else None,
+            "memory": vars(steps_of.of().memory).copy() if steps_of.of().memory else None,
             "split": {n: sharded(p) for n, p in net.named_parameters()},
             "numel": {n: p.numel() for n, p in net.named_parameters()},
             "state_split": [sharded(v) for s in opt.state.values() for v in s.values()

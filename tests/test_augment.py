@@ -355,3 +355,29 @@ def test_good_samples_pass_the_first_batch_checks():
     samples = [(torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8), i % 3) for i in range(4)]
     reader = Loading(samples, 4, skip=False, transform=tu.aug_transforms(mixup=0.4, num_classes=3))
     assert len(reader.__getitems__([(0, i, i) for i in range(4)]).samples) == 4
+
+
+def test_each_ops_streams_are_keyed_by_name_and_todays_draw_what_they_drew():
+    # Streams were numbered by position (an op added in the middle moved every later op's
+    # draws, and an old checkpoint's resume with them). Today's names keep their numbers
+    # (1 to 26 as listed, then the Beta draws); an op added since is numbered by its name.
+    from tpu_utility.augment import transforms as t
+    keys = sample_keys(5, 2, range(64))
+    u = draw.uniforms_at(keys, t._STREAMS)
+
+    def stream(n):  # the draw of stream n, in plain Python (lowbias32, 24 bits)
+        s = lowbias32((n * 0x9E3779B9) & 0xFFFFFFFF)
+        return [(lowbias32((k & 0xFFFFFFFF) ^ s) >> 8) * 2.0 ** -24 for k in keys.tolist()]
+    for number, name in enumerate(("flip", "flip_vert", "affine", "rotate", "zoom", "tx", "ty",
+                                   "scale", "ratio", "cx", "cy", "brightness_on", "brightness",
+                                   "contrast_on", "contrast", "saturation_on", "saturation",
+                                   "cutout", "cutout_scale", "cutout_ratio", "cutout_top",
+                                   "cutout_left", "mix", "cutmix_pick", "cutmix_y", "cutmix_x"), 1):
+        assert u[:, t._COL[name]].tolist() == stream(number), name
+    assert u[:, t._BETAS].tolist() == [list(r) for r in zip(*(stream(n) for n in range(27, 27 + 2 * t._BETA)))]
+    # a new op's stream: numbered from its name, apart from every other, moving none of them
+    added = t._STREAMS + (draw.named_stream("sharpness"),)
+    assert draw.named_stream("sharpness") == draw.named_stream("sharpness") not in t._STREAMS
+    assert draw.named_stream("sharpness") != draw.named_stream("hue")
+    assert torch.equal(draw.uniforms_at(keys, added)[:, :len(t._STREAMS)], u)
+    assert draw.uniforms_at(keys, added)[:, -1].tolist() == stream(draw.named_stream("sharpness"))

@@ -211,7 +211,7 @@ KAGGLE_LOOP = """
     kaggle = tu.run(as_on_kaggle, cores=8, start_method="fork")
     fixed_report, read_counts = tu.run(fixed, cores=8, start_method="fork")
     print("RESULT", json.dumps({"kaggle": kaggle.hints, "fixed": fixed_report.hints,
-                                "reads": read_counts, "engine": str(kaggle).splitlines()[0]}))
+                                "reads": read_counts, "engine": kaggle.engine}))
 """
 
 

@@ -318,7 +318,7 @@ def test_port_and_report_know_every_spelling_of_torch_grad_scaler():
 
 def test_source_facts_answer_for_any_node_not_only_a_module():
     import ast
-    from tpu_utility.port import _Finder
+    from tpu_utility.port.rules import Finder as _Finder
     from tpu_utility.port.facts import module_facts
     source = ("def fit(model, dl, opt):\n    for x in dl:\n        model(x).sum().backward()\n"
               "        seen = x.item()\n    torch.cuda.empty_cache()\n")

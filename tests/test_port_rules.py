@@ -665,6 +665,132 @@ def main(model, tokenizer, out):
     tokenizer.save_pretrained(out)
     model.save_pretrained(out, safe_serialization=True, state_dict=tu.to_cpu(model.state_dict()))
 '''),
+    Case('conditions.launch-check', '''\
+def main():
+    ddp = int(os.environ.get("RANK", -1)) != -1
+''', '''\
+def main():
+    ddp = int(os.environ.get("RANK", -1)) != -1
+''', notes=('conditions.launch-check',)),
+    Case('conditions.string-device', '''\
+def main():
+    device = "cuda"
+    device_type = "cuda" if "cuda" in device else "cpu"
+''', '''\
+def main():
+    device = str(tu.get_device())
+    device_type = "cuda" if "cuda" in device else "cpu"
+''', notes=('conditions.string-device',)),
+    Case('conditions.bfloat-support', '''\
+def main():
+    bf16 = torch.cuda.is_bf16_supported()
+''', '''\
+def main():
+    bf16 = (not torch.cuda.is_available() or torch.cuda.is_bf16_supported())
+'''),
+    Case('runtime.cuda-device', '''\
+import torch
+
+
+def main(args, model):
+    with torch.cuda.device(args.gpu_index):
+        model.fit()
+''', '''\
+import torch
+import contextlib
+
+
+def main(args, model):
+    with contextlib.nullcontext():
+        model.fit()
+'''),
+    Case('runtime.import-contextlib', '''\
+def main(model):
+    with torch.cuda.device(0), torch.no_grad():
+        model.fit()
+''', '''\
+import contextlib
+def main(model):
+    with contextlib.nullcontext(), torch.no_grad():
+        model.fit()
+'''),
+    Case('runtime.compile-line', '''\
+def main(model):
+    model = torch.compile(model)
+    return model
+''', '''\
+def main(model):
+    return model
+'''),
+    Case('runtime.compile', '''\
+def main(model):
+    fast = torch.compile(model, mode="max-autotune")
+''', '''\
+def main(model):
+    fast = model
+'''),
+    Case('runtime.compile-decorator', '''\
+@torch.compile
+def step(x):
+    return x * 2
+''', '''\
+def step(x):
+    return x * 2
+'''),
+    Case('reads.conversion', '''\
+def fit(model, opt, loader, writer):
+    for step, (x, y) in enumerate(loader):
+        loss = model(x, y)
+        loss.backward()
+        writer.add_scalar("loss", loss, step)
+''', '''\
+def fit(model, opt, loader, writer):
+    for step, (x, y) in enumerate(loader):
+        loss = model(x, y)
+        loss.backward()
+        writer.add_scalar("loss", loss, step)
+''', notes=('reads.conversion',)),
+    Case('reads.percent-format', '''\
+def fit(model, opt, loader):
+    for x, y in loader:
+        loss = model(x, y)
+        loss.backward()
+        print("%.3f" % loss)
+''', '''\
+def fit(model, opt, loader):
+    for x, y in loader:
+        loss = model(x, y)
+        loss.backward()
+        print("%.3f" % loss)
+''', notes=('reads.percent-format',)),
+    Case('reads.f-string', '''\
+def fit(model, opt, loader):
+    for x, y in loader:
+        loss = model(x, y)
+        loss.backward()
+        print(f"{loss:.3f}")
+''', '''\
+def fit(model, opt, loader):
+    for x, y in loader:
+        loss = model(x, y)
+        loss.backward()
+        print(f"{loss:.3f}")
+''', notes=('reads.f-string',)),
+    Case('reads.logging-round', '''\
+def fit(model, opt, loader, writer):
+    for step, (x, y) in enumerate(loader):
+        model(x, y).backward()
+        if step % 100 == 0:
+            for name, value in model.named_parameters():
+                writer.add_histogram(name, value.data.cpu().numpy(), step)
+''', '''\
+def fit(model, opt, loader, writer):
+    for step, (x, y) in enumerate(loader):
+        model(x, y).backward()
+        if step % 100 == 0:
+            for name, value in model.named_parameters():
+                writer.add_histogram(name, value.data.cpu().numpy(), step)
+''', notes=('io.host-read', 'reads.logging-round')),
 ]
 
 

@@ -16,6 +16,11 @@ import torch.nn.functional as F
 import tpu_utility as tu
 from conftest import child_processes
 
+# The first optimizer a process makes imports torch._dynamo (about 2 s here): made once now,
+# the forked replicas inherit it, so the short stall_timeouts below time the steps, not it
+# (which test ran first in this process decided it before).
+torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+
 
 def _steps(hang_rank, hang_at, stamp, pause=0.0, steps=8):
     torch.manual_seed(0)
@@ -125,8 +130,8 @@ def _dump(*threads):
 
 
 def _replica_thread(line, func="train_fn"):
-    from tpu_utility import launcher
-    return [("/home/me/train.py", line, func), (launcher.__file__, 360, "_replica_main"),
+    from tpu_utility.launch import child
+    return [("/home/me/train.py", line, func), (child.__file__, 360, "_replica_main"),
             (threading.__file__, 1000, "run")]
 
 
@@ -138,7 +143,7 @@ def test_a_stall_names_processes_that_run_several_replicas_as_processes():
     dumps = [_dump(main, _replica_thread(10), _replica_thread(10)),       # both at one place
              _dump(main, _replica_thread(10), _replica_thread(42, "step")),  # at two places
              None, _dump(main)]
-    message = str(tu.stall.stalled(40.0, 30, dumps, per_process=2))
+    message = str(tu.launch.stall.stalled(40.0, 30, dumps, per_process=2))
     print(message)
     assert ("process 0 (replicas 0 and 1) waits at /home/me/train.py:10 in train_fn "
             "(both of its replica threads); ") in message
@@ -147,16 +152,16 @@ def test_a_stall_names_processes_that_run_several_replicas_as_processes():
     assert "process 2 (replicas 4 and 5) wrote no stack" in message
     assert "process 3 (replicas 6 and 7) is not running train_fn" in message
     assert "replica 1 " not in message and "replica 3 " not in message
-    stacks = tu.stall.stalled(40.0, 30, dumps, per_process=2).stacks
+    stacks = tu.launch.stall.stalled(40.0, 30, dumps, per_process=2).stacks
     assert stacks.count("--- process ") == 4 and "--- process 3 (replicas 6 and 7) ---" in stacks
     # One replica per process (v5e-8, the "distributed" engine): each process is its replica.
-    one = str(tu.stall.stalled(40.0, 30, [_dump(main, _replica_thread(10))] * 2, per_process=1))
+    one = str(tu.launch.stall.stalled(40.0, 30, [_dump(main, _replica_thread(10))] * 2, per_process=1))
     assert "replica 1 waits at /home/me/train.py:10 in train_fn" in one
     assert "process" not in one.split("stopped:")[1]
 
 
 def test_the_watch_knows_how_many_replicas_each_process_runs():
     procs = [object()] * 4
-    assert tu.stall.Watch(None, 30, procs, "/tmp", replicas=8).per_process == 2  # v3-8
-    assert tu.stall.Watch(None, 30, [object()] * 8, "/tmp", replicas=8).per_process == 1  # v5e-8
-    assert tu.stall.Watch(None, 30, procs, "/tmp").per_process == 1
+    assert tu.launch.stall.Watch(None, 30, procs, "/tmp", replicas=8).per_process == 2  # v3-8
+    assert tu.launch.stall.Watch(None, 30, [object()] * 8, "/tmp", replicas=8).per_process == 1  # v5e-8
+    assert tu.launch.stall.Watch(None, 30, procs, "/tmp").per_process == 1

@@ -150,7 +150,7 @@ def test_the_engine_the_child_entry_and_the_loader_stay_small():
     engine = definition("engines/base.py", "Engine")
     assert engine.end_lineno - engine.lineno + 1 <= 170
     assert len(parameters(definition("engines/base.py", "Engine.start"))) - 1 <= 3  # besides cls
-    assert len(parameters(definition("launcher.py", "_process_main"))) <= 2
+    assert len(parameters(definition("launch/child.py", "process_main"))) <= 2
     assert len(parameters(definition("data/loader.py", "DeviceLoader.__init__"))) <= 2  # self, spec
 
 
@@ -158,3 +158,18 @@ def test_every_file_of_the_data_package_reads_in_a_few_minutes():
     sizes = {f: sum(1 for _ in open(os.path.join(PACKAGE, "data", f)))
              for f in os.listdir(os.path.join(PACKAGE, "data")) if f.endswith(".py")}
     assert max(sizes.values()) <= 250, sizes
+
+
+def test_the_replica_is_a_record():
+    # Issue 49: the replica held train_one_cycle's running loss, check_functionalization's
+    # counter and the optimizer step over replicas; those live in loop/, functionalization.py
+    # and step.py, and reach the replica through its one hook (`on_step`).
+    known = modules()
+    took = imports("tpu_utility.replica", known["tpu_utility.replica"], known)
+    assert not {m for m in took if m.startswith("tpu_utility.loop")
+                or m in ("tpu_utility.functionalization", "tpu_utility.fused_step",
+                         "tpu_utility.in_place", "tpu_utility.step")}, took
+    record = definition("replica.py", "Replica")
+    assert record.end_lineno - record.lineno + 1 <= 120
+    launch = [p for name, p in known.items() if name.startswith("tpu_utility.launch")]
+    assert launch and not [p for p in launch if re.search(r"check_steps|StepLimit", open(p).read())]

@@ -1,29 +1,34 @@
 """tpu_utility: run a functional PyTorch CUDA script on one TPU core or on all of them."""
-from .amp import GradScaler, autocast
-from .augment import aug_transforms
+from .amp import Autocast, GradScaler, autocast
+from .augment import Augment, aug_transforms
 from .bf16_weights import bf16_weights
 from .checkpoint import load_state, save, save_state
-from .data import make_loader
+from .data import DeviceLoader, make_loader
 from .devices import (all_reduce, average_gradients, get_device, has_accelerator, is_master,
-                      master_print, optimizer_step, rank, scale_lr_bs, sync, to_cpu,
+                      Scaled, master_print, optimizer_step, rank, scale_lr_bs, sync, to_cpu,
                       world_size)
-from .environment import doctor, setup_tpu
+from .environment import TpuInfo, doctor, setup_tpu
 from .cache import CachedDataset, cache_dataset, open_cache
 from .images import (ImageCsvDataset, ImageFolderDataset, PresizeReport, denormalize, normalize,
                      presize_images, show_batch)
 from .fsdp import fsdp
 from .functionalization import FunctionalizationCheck, check_functionalization
-from .launcher import ReplicasExited, run
-from .loop import accuracy, gather, lr_find, predict, train_one_cycle
-from .preemption import Preempted
-from .reporting import report
-from .stall import Stalled
+from .launch.parent import run
+from .launch.preemption import Preempted
+from .launch.results import ReplicasExited
+from .launch.stall import Stalled
+from .loop import History, LRFindResult, accuracy, gather, lr_find, predict, train_one_cycle
+from .reporting import XlaReport, report
 
-__all__ = ["setup_tpu", "get_device", "optimizer_step", "make_loader", "scale_lr_bs", "run",
-           "average_gradients", "train_one_cycle", "lr_find", "predict", "save", "accuracy", "master_print",
-           "is_master", "rank", "world_size", "sync", "report", "doctor", "presize_images",
-           "PresizeReport", "ImageCsvDataset", "ImageFolderDataset", "cache_dataset",
-           "open_cache", "CachedDataset", "show_batch", "normalize", "denormalize",
-           "ReplicasExited", "autocast", "GradScaler", "gather", "save_state", "load_state",
-           "Preempted", "Stalled", "to_cpu", "aug_transforms", "check_functionalization",
-           "FunctionalizationCheck", "has_accelerator", "all_reduce", "fsdp", "bf16_weights"]
+__all__ = [
+    "Augment", "Autocast", "CachedDataset", "DeviceLoader", "FunctionalizationCheck",
+    "GradScaler", "History", "ImageCsvDataset", "ImageFolderDataset", "LRFindResult",
+    "Preempted", "PresizeReport", "ReplicasExited", "Scaled", "Stalled", "TpuInfo",
+    "XlaReport", "accuracy", "all_reduce", "aug_transforms", "autocast",
+    "average_gradients", "bf16_weights", "cache_dataset", "check_functionalization",
+    "denormalize", "doctor", "fsdp", "gather", "get_device", "has_accelerator",
+    "is_master", "load_state", "lr_find", "make_loader", "master_print", "normalize",
+    "open_cache", "optimizer_step", "predict", "presize_images", "rank", "report",
+    "run", "save", "save_state", "scale_lr_bs", "setup_tpu", "show_batch", "sync",
+    "to_cpu", "train_one_cycle", "world_size",
+]

@@ -44,7 +44,15 @@ def autocast(enabled: bool = True) -> "Autocast":
 
 class Autocast(contextlib.ContextDecorator):
     """What `autocast()` returns: the precision of the calling replica's device, chosen
-    on entry."""
+    on entry.
+
+    Example (CPU tensors are not cast, on any device):
+        >>> import torch, tpu_utility as tu
+        >>> with tu.autocast():
+        ...     y = torch.ones(2, 2) @ torch.ones(2, 2)
+        >>> isinstance(tu.autocast(), tu.Autocast), y.dtype
+        (True, torch.float32)
+    """
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
@@ -113,7 +121,8 @@ class NoScaler:
 
     def step(self, optimizer, *args: Any, **kwargs: Any):
         # as torch's: the arguments go to optimizer.step (a closure, for LBFGS)
-        return current().optimizer_step(optimizer, *args, **kwargs)
+        from . import step
+        return step.of().optimizer_step(optimizer, *args, **kwargs)
 
     def update(self, new_scale: Optional[float] = None) -> None:
         pass
@@ -156,7 +165,8 @@ def _cuda_scaler_class():
 
         def _average(self, optimizer):
             if id(optimizer) not in self._averaged:
-                current().sync_gradients(optimizer)
+                from . import step
+                step.of().sync_gradients(optimizer)
                 self._averaged.add(id(optimizer))
 
     return ReplicaGradScaler

@@ -15,7 +15,7 @@ keeps, laid out otherwise; what falls is the activations and the compiled step's
 (docs/measured.md). The copies are the optimizer's parameters, so `tu.fsdp` splits them
 as it splits the weights, and its `state_dict()` carries them (under "fp32_masters"):
 `checkpoint=`, `save_best=` and `tu.save(optimizer.state_dict())` resume exactly.
-The replica (replica.py) moves the gradients and the values at each `optimizer_step`.
+The optimizer step (step.py) moves the gradients and the values at each `optimizer_step`.
 """
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ def bf16_weights(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer") -
     """
     import torch
     from .checks import check_optimizer_device
+    from . import step
     from .replica import current
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"bf16_weights(model, optimizer): pass the torch module first, got "
@@ -72,7 +73,7 @@ def bf16_weights(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer") -
         check_optimizer_device((p for g in optimizer.param_groups for p in g["params"]),
                                first.device, "bf16_weights(model, optimizer)")
     replica = current()
-    if replica.masters_of(optimizer):
+    if step.of(replica).masters_of(optimizer):
         raise RuntimeError("bf16_weights(model, optimizer): this optimizer already steps float32 "
                            "copies; call it once per optimizer")
     owned = {id(p) for p in model.parameters()}
@@ -91,7 +92,7 @@ def bf16_weights(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer") -
         raise ValueError("bf16_weights(model, optimizer): the optimizer holds none of the model's "
                          "floating parameters: make it over model.parameters()")
     model.to(torch.bfloat16)  # in place: the optimizer's old parameters are these objects
-    replica.keep_masters(optimizer, pairs)
+    step.of(replica).keep_masters(optimizer, pairs)
     optimizer.register_state_dict_post_hook(functools.partial(_save, pairs))
     optimizer.register_load_state_dict_pre_hook(functools.partial(_load, pairs))
     model.register_forward_pre_hook(_inputs_to_bf16, with_kwargs=True)

@@ -30,7 +30,8 @@ FORMAT = "tpu_utility.checkpoint/1"
 
 def save(obj: Any, f: Any) -> Any:
     """`torch.save` for TPU runs: master replica only, tensors moved to CPU, a path written
-    atomically.
+    atomically. For weights to keep or share, which plain `torch.load` reads; to resume a
+    hand-written loop where it stopped, use `save_state`.
 
     Takes what `torch.save` takes: `obj` a state dict, an optimizer's state dict, any
     nesting of dicts, lists and tuples, or a whole `nn.Module` (in a container or not);
@@ -190,7 +191,8 @@ def save_or_warn(obj, path: str, argument: str) -> bool:
 
 def save_state(path: str, model, opt=None, loader=None, **extra: Any) -> Optional[str]:
     """Save what a hand-written loop needs to resume exactly, atomically; call it on every
-    replica (it gathers their random states), at a step boundary.
+    replica (it gathers their random states), at a step boundary. Not for sharing weights:
+    that is `save(model.state_dict(), path)`.
 
     Saves `model`'s and `opt`'s state, `loader`'s epoch and position (a `make_loader`
     loader), the random generators (Python, numpy, torch CPU, the device's; each

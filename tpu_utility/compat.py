@@ -305,3 +305,18 @@ def device_memory_limit(device) -> Optional[int]:
         return None
     limit = info.get("bytes_limit") if isinstance(info, dict) else None
     return int(limit) if limit else None
+
+
+def functional_tensor_check() -> Callable:
+    """torch's private test for a functionalization wrapper (`torch._is_functional_tensor`,
+    the same in torch 2.8 and 2.9): returned, not wrapped, as in_place.py calls it on every
+    op it sees."""
+    import torch
+    return torch._is_functional_tensor
+
+
+def register_device_module(name: str, module) -> None:
+    """`torch.<name>` as `module` (torch's private `_register_device_module`), for code that
+    asks `torch.xla` where torch_xla did not register it."""
+    import torch
+    torch._register_device_module(name, module)

@@ -89,7 +89,8 @@ def optimizer_step(opt, closure: Optional[Callable] = None, **step_kwargs: Any) 
         >>> round(float(loss.detach()), 2)
         1.62
     """
-    return current().optimizer_step(opt, closure, **step_kwargs)
+    from . import step
+    return step.of().optimizer_step(opt, closure, **step_kwargs)
 
 
 def average_gradients(params: Iterable["torch.Tensor"]) -> None:
@@ -120,7 +121,8 @@ def average_gradients(params: Iterable["torch.Tensor"]) -> None:
         >>> [round(v, 4) for v in tu.to_cpu(w).tolist()]
         [0.7, 0.7]
     """
-    current().average_gradients(params)
+    from . import step
+    step.of().average_gradients(params)
 
 
 def all_reduce(tensor: "torch.Tensor", op: str = "sum") -> "torch.Tensor":
@@ -217,6 +219,15 @@ def master_print(*args, **kwargs) -> None:
 
 @dataclass
 class Scaled:
+    """What `scale_lr_bs` returns.
+
+    Example:
+        >>> import tpu_utility as tu
+        >>> s = tu.scale_lr_bs(1e-3, 32, cores=8, verbose=False)
+        >>> isinstance(s, tu.Scaled), s.lr, s.global_batch_size
+        (True, 0.008, 256)
+    """
+
     lr: float
     batch_size: int  # per core
     global_batch_size: int

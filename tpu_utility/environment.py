@@ -40,7 +40,14 @@ _HOSTNAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.\-_:]*$")
 
 @dataclass
 class TpuInfo:
-    """What `setup_tpu` found. `num_devices` is the number of XLA devices on this host."""
+    """What `setup_tpu` found. `num_devices` is the number of XLA devices on this host.
+
+    Example:
+        >>> import tpu_utility as tu
+        >>> info = tu.TpuInfo("cpu", "cpu", 8, "2.9.0", "2.9.0", "CPU")
+        >>> info.num_devices, info.hosts
+        (8, 1)
+    """
 
     platform: str  # "kaggle", "colab", "gcp" or "cpu"
     accelerator: str  # e.g. "v3-8", "v5litepod-8", or "cpu"

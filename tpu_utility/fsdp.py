@@ -12,7 +12,7 @@ its keys, `tu.save` writes full tensors (their pieces put together on the host) 
 into a plain model on any device, and a model output of any type (a Hugging Face
 `ModelOutput`) passes through.
 
-The run's record (replica.py, `shard_like`) then keeps each split parameter's gradient and
+The optimizer step (step.py, `shard_like`) then keeps each split parameter's gradient and
 optimizer state split the same way: gradients annotated at every step (the partitioner
 reduce-scatters them), the state an optimizer makes in its first step annotated once.
 """
@@ -50,6 +50,7 @@ def fsdp(model: "torch.nn.Module", *, min_elements: int = MIN_ELEMENTS) -> "torc
         min_elements: parameters smaller than this stay whole on every device.
     """
     import torch
+    from . import step
     from .replica import current
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fsdp(model): pass the torch module, got {type(model).__name__}")
@@ -83,7 +84,7 @@ def fsdp(model: "torch.nn.Module", *, min_elements: int = MIN_ELEMENTS) -> "torc
         op = mesh.get_op_sharding(spec)
         mark_sharding(p, op)
         splits.append((p, op))
-    replica.shard_like(splits)
+    step.of(replica).shard_like(splits)
     return model
 
 

@@ -4,9 +4,10 @@ runs it both ways and compares the parameters bit for bit.
 torch_xla wraps every XLA tensor in a functional tensor, so that in-place ops and views
 trace as pure functions. Tracing through that layer is much of a step's host CPU (torch
 runs a Python meta function for each in-place `lerp_`, `addcmul_` and `addcdiv_` of Adam's
-step): without it the host CPU per step of an Adam MLP or CNN was 0.41-0.47x a
-hand-written loop's at one device and 0.52-0.63x at 8, with bit-equal losses
-(docs/measured.md); torch_xla's own benchmark runner turns it off. Without it some ops
+step): without it an Adam model's host CPU per step falls to about half a hand-written
+loop's, with bit-equal losses
+(docs/measured.md#bench_training-with-real-workloads-the-meter-and-the-functionalization-switch-issue-33);
+torch_xla's own benchmark runner turns it off. Without it some ops
 fail outright (the README lists those we found) and in-place changes through views may
 trace differently. So `run(..., functionalization=False)` is opt-in, and this check says
 whether a given train_fn trains the same without it.
@@ -19,8 +20,11 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 
 from .compat import runtime_started
 from .environment import xla_version
-from .launcher import run_replicas
-from .replica import WARM_STEPS
+from .host_bound import Span
+from .launch.parent import run_replicas
+from .replica import current
+
+WARM_STEPS = 2  # a check run's steps before its host clock starts: their graphs compile
 
 
 @dataclass(frozen=True)
@@ -110,10 +114,10 @@ def check_functionalization(train_fn: Callable[..., Any], cores: int = 1,
     if isinstance(steps, bool) or not isinstance(steps, int) or steps <= WARM_STEPS:
         raise ValueError(f"check_functionalization: steps must be an integer > {WARM_STEPS} "
                          f"(the first {WARM_STEPS} compile), got {steps!r}")
-    options = dict(engine=None, start_method=start_method, timeout=timeout,
-                   stall_timeout=None, check_steps=steps)
+    options = dict(engine=None, start_method=start_method, timeout=timeout, stall_timeout=None)
+    limited = StepsLimited(train_fn, steps)
     t0 = time.perf_counter()
-    on = run_replicas(train_fn, cores, args, functionalization=True, **options)
+    on = run_replicas(limited, cores, args, functionalization=True, **options)
     if not on["steps"]:  # opt.step() by hand: nothing to compare, and "equal" would be a lie
         raise ValueError("check_functionalization: train_fn took no step through "
                          "tu.optimizer_step (or train_one_cycle, lr_find, tu.GradScaler), so "
@@ -122,7 +126,7 @@ def check_functionalization(train_fn: Callable[..., Any], cores: int = 1,
     t1 = time.perf_counter()
     error = None
     try:
-        off = run_replicas(train_fn, cores, args, functionalization=False, **options)
+        off = run_replicas(limited, cores, args, functionalization=False, **options)
     except Exception as e:  # what fails without it is the answer, not an error of the check
         off = None
         error = _one_line(e)
@@ -172,3 +176,64 @@ def _differing(a, b) -> list:
             values = int((x != y).sum()) if x.is_floating_point() else int(bits.sum())
             out.append(f"{where}: {values} values differ, largest by {float(diff.max()):.3g}")
     return out
+
+
+class _StepLimit(BaseException):
+    """The check run's replica took its optimizer steps: unwinds train_fn (a BaseException,
+    so the user's `except Exception` does not swallow it)."""
+
+
+class StepsLimited:
+    """`train_fn` stopped after `steps` optimizer steps, returning what they trained: the
+    optimizer steps taken, the last stepped optimizer's parameters (device tensors, which
+    run brings back on the CPU), and the host's tracing CPU per step over the steps after
+    the first WARM_STEPS that compiled nothing (None if none). A class, not a closure, so
+    that spawned replicas can unpickle it.
+
+    Args:
+        train_fn: the user's function.
+        steps: optimizer steps to take.
+    """
+
+    def __init__(self, train_fn: Callable[..., Any], steps: int):
+        self.train_fn, self.steps = train_fn, steps
+
+    def __call__(self, *args):
+        count = _Count(self.steps)
+        me = current()
+        me.on_step = count
+        try:
+            self.train_fn(*args)
+        except _StepLimit:
+            pass
+        finally:
+            me.on_step = None
+        return count.record()
+
+
+class _Count:
+    """Called by the optimizer step (`Replica.on_step`) with each optimizer it stepped."""
+
+    def __init__(self, limit: int):
+        self.limit, self.steps, self.last = limit, 0, None
+        self.span: Optional[Span] = None
+        self.host, self.timed = 0.0, 0
+
+    def __call__(self, opt) -> None:
+        self.steps += 1
+        self.last = opt
+        if self.span is not None:  # from the last step's end to this one's
+            host, _ = self.span.stop()
+            if host is not None:  # None: a compile (an epoch's first end, a new shape)
+                self.host += host
+                self.timed += 1
+        if self.steps >= WARM_STEPS:  # the first steps' graphs compile: not timed
+            self.span = Span()
+        if self.steps >= self.limit:
+            raise _StepLimit(self.steps)
+
+    def record(self) -> dict:
+        params = [] if self.last is None else list(
+            {id(p): p for g in self.last.param_groups for p in g["params"]}.values())
+        return {"steps": self.steps, "params": [p.detach() for p in params],
+                "host_ms": 1e3 * self.host / self.timed if self.timed else None}

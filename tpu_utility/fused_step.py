@@ -11,10 +11,8 @@ corrections), computed on the host as torch computes them; its outputs are copie
 the parameters and state. The numbers that stay (weight decay, dampening, beta2, eps) are
 written into the computation as torch writes them into its graph.
 
-Measured on XLA:CPU (benchmarks/bench_optimizer_step.py, an MLP's 6 parameter tensors),
-the step's host CPU against torch's own with `foreach` unset: Adam 0.17x, AdamW 0.16x,
-AdamW with amsgrad 0.21x, SGD with Nesterov momentum 0.49x (1 ms against 0.5 ms: one call
-has a fixed cost, and SGD's own update is small). Parameters, gradients and state are
+The step's host CPU falls to a fraction of torch's own (SGD's least: one call has a fixed
+cost, and SGD's own update is small; docs/measured.md#the-optimizer-steps-host-cpu). Parameters, gradients and state are
 bit-equal to torch's foreach step, and so to its per-parameter one for these three
 (tests/test_fused_step.py: torch_xla 2.8 and 2.9, one device and 8 SPMD devices,
 functionalization on and off, lr, momentum and beta1 moved every step).

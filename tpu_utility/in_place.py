@@ -21,10 +21,9 @@ serves their first step, which makes the state, and every other optimizer.
 It applies to the ops of `_OPS` (foreach and Tensor-method forms) on functional
 tensors with autograd off, as inside `optimizer.step()`: with
 autograd on, an in-place op and its copy record different graphs, so those are left as
-they are. Measured on XLA:CPU (benchmarks/bench_optimizer_step.py, an MLP's 6 parameter
-tensors), the step's host CPU against torch's own (foreach unset): Adam 0.35x, AdamW
-0.32x, amsgrad 0.37x, RMSprop 0.39x; SGD with momentum, whose updates by a number stay in
-place, 0.80x, as foreach alone gives. (With `clip_grad_norm_`'s per-gradient `mul_` it cost more than it saved, so
+they are. The step's host CPU falls to about a third of torch's own for Adam's kind, less
+for SGD with momentum, whose updates by a number stay in place
+(docs/measured.md#the-optimizer-steps-host-cpu). (With `clip_grad_norm_`'s per-gradient `mul_` it cost more than it saved, so
 clipping is left alone.)
 """
 from __future__ import annotations
@@ -33,7 +32,7 @@ import contextlib
 import functools
 from typing import ContextManager
 
-from .compat import functionalization_on
+from .compat import functional_tensor_check, functionalization_on
 
 # Pointwise ops torch's optimizers update their state with, in place. The arithmetic
 # four by a Python number trace faster in place (C++ meta kernels, no operand to upload),
@@ -62,7 +61,7 @@ def _twins() -> dict:
 def _mode():
     import torch
     from torch.overrides import TorchFunctionMode
-    twins, functional, copy_all = _twins(), torch._is_functional_tensor, torch._foreach_copy_
+    twins, functional, copy_all = _twins(), functional_tensor_check(), torch._foreach_copy_
 
     class OutOfPlace(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):

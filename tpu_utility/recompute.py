@@ -33,6 +33,8 @@ import threading
 import types
 from typing import Any, List, Optional
 
+from .compat import register_device_module
+
 _INSTALLED = False
 _INSTALLING = threading.Lock()  # replica threads (one per device) ask for the device at once
 _LOCAL = threading.local()  # what a block's recomputation ties to, handed over as torch runs it
@@ -58,7 +60,7 @@ def install() -> None:
         import torch
         import torch.utils.checkpoint as tuc
         if not hasattr(torch, "xla"):
-            torch._register_device_module("xla", _device_module())
+            register_device_module("xla", _device_module())
         tuc.CheckpointFunction = _reentrant(tuc.CheckpointFunction)
         tuc.detach_variable = _tied_detach(tuc.detach_variable)
         tuc._checkpoint_without_reentrant_generator = _non_reentrant(

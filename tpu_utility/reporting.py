@@ -16,7 +16,14 @@ from .reads import library_reads, ours
 
 @dataclass
 class XlaReport:
-    """What `report()` found: counts from torch_xla's metrics and one-line hints."""
+    """What `report()` found: counts from torch_xla's metrics and one-line hints.
+
+    Example:
+        >>> import tpu_utility as tu
+        >>> r = tu.XlaReport(compiles=3, compile_s=1.5, executions=40, transfers=1, fallbacks={})
+        >>> r.compiles, r.hints
+        (3, [])
+    """
 
     compiles: int
     compile_s: float
@@ -31,8 +38,7 @@ class XlaReport:
     memory: Optional[Memory] = None  # per device, from the first optimizer step and compiles
 
     def __str__(self) -> str:
-        lines = [self.engine] if self.engine else []
-        lines += [f"XLA: {self.compiles} compiles ({self.compile_s:.1f} s), {self.executions} "
+        lines = [f"XLA: {self.compiles} compiles ({self.compile_s:.1f} s), {self.executions} "
                  f"executions, {self.transfers} device-to-host transfers"]
         if self.fallbacks:
             ops = ", ".join(f"{k} x{v}" for k, v in sorted(self.fallbacks.items()))
@@ -78,16 +84,19 @@ def report(history=None, *, verbose: bool = True) -> XlaReport:
         sites, loaders, waits, shapes = caller_code(sys._getframe(1))
     except Exception:  # a diagnostic never fails the run it reports on
         sites, loaders, waits, shapes = [], [], [], []
+    from . import step
     from .replica import current
     rep.hints = hints(rep, history, sites, loaders, waits, shapes, reads=current().reads.sites)
     rep.engine = _engine_line()
-    rep.memory = with_peak(current().memory)
+    rep.memory = with_peak(step.of().memory)
     if rep.memory is not None and rep.memory.peak and rep.memory.limit \
             and rep.memory.peak > rep.memory.limit:
         rep.hints.append(peak_hint(rep.memory))
     if verbose:
         from .devices import master_print
-        master_print(str(rep))
+        # run() printed the engine line as a run on several cores started: not twice
+        said = current().engine.world_size > 1
+        master_print(str(rep) if said or not rep.engine else f"{rep.engine}\n{rep}")
     return rep
 
 
@@ -189,8 +198,8 @@ def hints(rep: XlaReport, history=None, sites=(), loaders=(), waits=(), shapes=(
     steps = getattr(history, "input", None) or max(
         waits, key=lambda w: idle_share(w.host_ms, w.device_ms) or 0.0, default=None)
     if steps is not None and host_bound(steps):
-        from .replica import current
-        out.append(host_cure(steps, foreach_off=current().steps_per_parameter(),
+        from . import step
+        out.append(host_cure(steps, foreach_off=step.of().steps_per_parameter(),
                              functionalization=functionalization_on()))
     epochs = list(getattr(history, "epochs", None) or [])
     later = [e.compiles for e in epochs[1:]]

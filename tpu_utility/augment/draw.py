@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Sequence
+import zlib
+from typing import Sequence, Tuple
 
 _M1 = 0x7FEB352D
 _M2 = 0x846CA68B - 2 ** 32  # as a signed int32
@@ -64,18 +65,32 @@ def sample_keys(seed: int, epoch: int, places: Sequence[int]):
 
 
 def uniforms(keys, n: int):
-    """[len(keys), n] floats in [0, 1): stream j of every sample, on the keys' device."""
+    """[len(keys), n] floats in [0, 1): streams 1 to n of every sample, on the keys' device."""
+    return uniforms_at(keys, tuple(range(1, n + 1)))
+
+
+def uniforms_at(keys, streams: Tuple[int, ...]):
+    """[len(keys), len(streams)] floats in [0, 1): the numbered streams of every sample."""
     import torch
-    h = mix32(keys.reshape(-1, 1) ^ _streams(n).to(keys.device).reshape(1, -1))
+    h = mix32(keys.reshape(-1, 1) ^ _streams(streams).to(keys.device).reshape(1, -1))
     return _shr(h, 8).to(torch.float32) * 2.0 ** -24  # 24 bits: exact in float32
 
 
+_FIRST_NAMED = 2 ** 20  # numbered streams (1, 2, ...) stay far below the named ones
+
+
+def named_stream(name: str) -> int:
+    """The stream number of an op's parameter `name`: from the name alone (CRC-32), so
+    that an op added later draws without moving any other op's streams."""
+    return _FIRST_NAMED + zlib.crc32(name.encode()) % (2 ** 31 - _FIRST_NAMED)
+
+
 @functools.lru_cache(maxsize=8)
-def _streams(n: int):
-    """The n streams' own hashes, on the host once (n int32s upload with each batch's ops,
+def _streams(streams: Tuple[int, ...]):
+    """The streams' own hashes, on the host once (int32s that upload with each batch's ops,
     rather than a hash traced into every step)."""
     import torch
-    return mix32(torch.arange(1, n + 1, dtype=torch.int32) * _GOLDEN)
+    return mix32(torch.tensor(streams, dtype=torch.int32) * _GOLDEN)
 
 
 def normal(u1, u2):

@@ -17,13 +17,22 @@ from typing import Optional, Sequence, Tuple, Union
 
 from . import draw, ops
 
-# The uniform streams of one sample, by name; each Beta draw takes 2 * gamma_streams() more.
-_COLUMNS = ("flip", "flip_vert", "affine", "rotate", "zoom", "tx", "ty", "scale", "ratio",
-            "cx", "cy", "brightness_on", "brightness", "contrast_on", "contrast",
-            "saturation_on", "saturation", "cutout", "cutout_scale", "cutout_ratio",
-            "cutout_top", "cutout_left", "mix", "cutmix_pick", "cutmix_y", "cutmix_x")
-_COL = {name: i for i, name in enumerate(_COLUMNS)}
+# Each sample's uniform streams, by name. These names keep the stream numbers they had
+# when streams were numbered by position (1 to 26, then mixup's and cutmix's Beta draws,
+# 2 * _BETA more), so a seeded or resumed run draws what it drew before. An op added since
+# lists its streams' names in _NAMED: each is numbered from its name (draw.named_stream),
+# so adding one changes no other op's draws.
+_NUMBERED = ("flip", "flip_vert", "affine", "rotate", "zoom", "tx", "ty", "scale", "ratio",
+             "cx", "cy", "brightness_on", "brightness", "contrast_on", "contrast",
+             "saturation_on", "saturation", "cutout", "cutout_scale", "cutout_ratio",
+             "cutout_top", "cutout_left", "mix", "cutmix_pick", "cutmix_y", "cutmix_x")
+_NAMED: Tuple[str, ...] = ()
 _BETA = 2 * draw.gamma_streams()
+_BETAS = slice(len(_NUMBERED), len(_NUMBERED) + 2 * _BETA)  # the Beta draws' columns of u
+_STREAMS = (tuple(range(1, _BETAS.stop + 1))
+            + tuple(draw.named_stream(name) for name in _NAMED))
+_COL = {**{name: i for i, name in enumerate(_NUMBERED)},
+        **{name: _BETAS.stop + i for i, name in enumerate(_NAMED)}}
 _PAD_MODES = ("reflection", "border", "zeros")
 
 
@@ -31,7 +40,14 @@ _PAD_MODES = ("reflection", "border", "zeros")
 class Augment:
     """What `aug_transforms` returns: pass it to `make_loader(..., augment=...)`.
 
-    Fields are the arguments of `aug_transforms`, checked; probabilities are per sample."""
+    Fields are the arguments of `aug_transforms`, checked; probabilities are per sample.
+
+    Example:
+        >>> import tpu_utility as tu
+        >>> aug = tu.aug_transforms(size=32, max_rotate=0)
+        >>> isinstance(aug, tu.Augment), aug.max_rotate
+        (True, 0.0)
+    """
 
     size: Optional[Tuple[int, int]]
     min_scale: float
@@ -123,7 +139,7 @@ class Augment:
         x = ops.to_float(images)
         _, _, h, w = x.shape
         out = self.size or (h, w)
-        u = draw.uniforms(keys.to(x.device), len(_COLUMNS) + 2 * _BETA)
+        u = draw.uniforms_at(keys.to(x.device), _STREAMS)
 
         def col(name):
             return u[:, _COL[name]]
@@ -143,7 +159,7 @@ class Augment:
         if self.cutout:
             x = ops.erase(x, self._cutout_mask(col, x.shape))
         if self.mixes:
-            x, target = self._mix(x, target, col, u[:, len(_COLUMNS):])
+            x, target = self._mix(x, target, col, u[:, _BETAS])
         return x, target
 
     def evaluate(self, images):

@@ -23,6 +23,13 @@ def _from_spec(name: str) -> property:
 class DeviceLoader:
     """What `make_loader` returns: iterate it once per epoch, like a DataLoader.
 
+    Example:
+        >>> import torch, tpu_utility as tu
+        >>> loader = tu.make_loader(torch.utils.data.TensorDataset(torch.arange(8.)), 4,
+        ...                         num_workers=0)
+        >>> isinstance(loader, tu.DeviceLoader), len(loader)
+        (True, 2)
+
     Each new iteration is a new epoch: the sampler is reseeded with `seed + epoch`, so
     every replica draws the same permutation and takes its own slice of it. Everything
     that changes as it is used (the epoch, the sampler, the torch DataLoader, the device

@@ -150,7 +150,7 @@ class _WorkerInit:
 
     def __call__(self, worker_id: int) -> None:
         import signal
-        from ..children import die_with_parent_process
+        from ..launch.children import die_with_parent_process
         die_with_parent_process(*self.parent)
         signal.signal(signal.SIGTERM, _exit_later)
         if self.fn is not None:

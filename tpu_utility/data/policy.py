@@ -35,8 +35,8 @@ def draws_no_randomness(dataset) -> bool:
 def default_workers(replicas_per_host: int = 1, rows_only: bool = False, *,
                     fed_devices: int = 1, cpus: Optional[int] = None) -> int:
     """DataLoader workers per replica: none for a dataset that only reads rows (in memory
-    or a cache: a worker adds a fork per epoch and a copy per batch, and 1 or 2 of them ran
-    at 0.72-0.80x of none at 8 SPMD devices on 2 cores, benchmarks/bench_workers.py);
+    or a cache: a worker adds a fork per epoch and a copy per batch, and 1 or 2 of them
+    were slower than none: docs/measured.md, bench_workers);
     otherwise 4 for each device the replica feeds, at most its share of the host's cores,
     and none when that is under 2 (one worker lost to none there).
 

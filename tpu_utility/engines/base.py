@@ -16,7 +16,7 @@ class Engine:
     """The backend of one replica (its device, feed, collectives and step cut), plus
     (classmethods) how the parent starts replicas. What a replica owns besides (its
     heartbeat, stop board, random-stream flag, what it made identical) is its record in
-    replica.py, which builds the optimizer step on these collectives.
+    step.py, which builds the optimizer step on these collectives.
 
     `world_size` is the data-parallel width (devices that share each global batch: what
     `scale_lr_bs` scales by); `replicas` is how many copies of train_fn run, each on its

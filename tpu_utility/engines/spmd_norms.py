@@ -2,20 +2,17 @@
 
 torch_xla lowers both to the `batch-norm-training` HLO (LayerNorm over a [1, N*S, E]
 reshape), for which XLA's SPMD partitioner has no rule: it gathers the whole global batch
-onto every device first, and what follows runs on all of it. Measured at 8 devices
-(docs/measured.md, benchmarks/bench_spmd_audit.py): a BatchNorm CNN's buffers per device
-were 6.6x one device's, and 0.92x written as reductions; torch_xla 2.8 and 2.9 alike, and
-with no switch of its own. Inside the "spmd" child `F.batch_norm` and `F.layer_norm`
+onto every device first, and what follows runs on all of it (torch_xla 2.8 and 2.9 alike,
+with no switch of its own); written as reductions, a BatchNorm CNN's buffers per device
+fall back to about one device's (docs/measured.md#spmd-audit-the-partitioned-programs-at-8-devices-issue-32). Inside the "spmd" child `F.batch_norm` and `F.layer_norm`
 are replaced by these for XLA tensors, so `nn.BatchNorm*` and `nn.LayerNorm` use them;
 other tensors, and code holding the original functions, are untouched. Statistics are
 computed in float32 (BatchNorm's running variance unbiased, as torch's is) and the
-output has the dtype torch_xla's own would have. The cost was host time: a BatchNorm
-layer traced about 0.5 ms more per step as ops (17 layers at 8 devices: 26.6 ms against
-18.8; XLA:CPU ran the step 6x faster). Training BatchNorm in float32 is now two lowered
-computations per layer, forward and backward (below), bit-equal to the ops: the SGD CNN
-of benchmarks/bench_training.py at 8 devices traced its step in 0.88-0.92x the host CPU
-of a hand-written loop with torch_xla's own BatchNorm (1.0x as ops, with the fused
-optimizer step). TPU_UTILITY_SPMD_NORMS=0 keeps torch_xla's own, to
+output has the dtype torch_xla's own would have. The cost is host time, as ops; so
+training BatchNorm in float32 is two lowered computations per layer, forward and
+backward (below), bit-equal to the ops, which trace in about a hand-written loop's host
+time (docs/measured.md#sgd-adam-and-adamw-as-one-computation-and-batchnorm-at-8-devices-lowered-issue-33-2026-11-26).
+TPU_UTILITY_SPMD_NORMS=0 keeps torch_xla's own, to
 compare on a TPU, where whether libtpu gathers the same way is not yet measured.
 
 At one device (the single-device engine, and each replica of "launch") BatchNorm alone is

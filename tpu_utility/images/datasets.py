@@ -13,7 +13,7 @@ PathLike = Union[str, "os.PathLike[str]"]
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
 
-def _image_files(folder: str, extensions: Sequence[str] = IMAGE_EXTENSIONS) -> List[str]:
+def image_files(folder: str, extensions: Sequence[str] = IMAGE_EXTENSIONS) -> List[str]:
     """Image files under `folder` (recursively), sorted, skipping hidden files and folders."""
     exts, found = tuple(e.lower() for e in extensions), []
     for parent, dirs, names in os.walk(folder):
@@ -184,7 +184,7 @@ class ImageFolderDataset(_ImageFiles):
                              f"(expected {root}/<class name>/<images>)")
         paths, labels = [], []
         for name in names:
-            found = _image_files(os.path.join(root, name), extensions)
+            found = image_files(os.path.join(root, name), extensions)
             paths += found
             labels += [name] * len(found)
         if not paths:

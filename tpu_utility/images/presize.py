@@ -13,7 +13,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
-from .datasets import IMAGE_EXTENSIONS, _image_files
+from .datasets import IMAGE_EXTENSIONS, image_files
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -115,7 +115,7 @@ def _plan(src, dst, format, ext) -> Tuple[List[str], str, Dict[str, str]]:
     if not listed and not os.path.isdir(src):
         raise FileNotFoundError(f"presize_images: src {src} does not exist or is not a folder")
     files = (sorted({os.path.abspath(p) for p in src}) if listed
-             else _image_files(os.path.abspath(src)))
+             else image_files(os.path.abspath(src)))
     if not files:
         raise ValueError(f"presize_images: no image files ({', '.join(IMAGE_EXTENSIONS)}) "
                          f"in {src}")
@@ -189,7 +189,7 @@ def _presize_all(todo, workers: int) -> Iterator[Tuple[str, Optional[str]]]:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
-    from ..children import die_with_parent
+    from ..launch.children import die_with_parent
     # Chunks amortise the IPC round trip (~1 ms) over several files, yet stay small
     # enough for the bar to move and for the cores to finish together.
     chunk = max(1, min(32, len(todo) // (workers * 8)))

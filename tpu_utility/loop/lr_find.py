@@ -22,7 +22,7 @@ from ..devices import get_device, is_master, optimizer_step, sync, to_cpu
 from ..replica import current
 from ..files import atomic_write, check_writable
 from ..hf import masks_without_reads
-from ..launcher import must_isolate, run_isolated
+from ..launch.parent import must_isolate, run_isolated
 from ..plots import plot_lines
 from ..schedules import no_special_scalar, sched_exp
 from .batch import as_loader, train_step
@@ -35,7 +35,16 @@ MIN_NUM_IT = 30  # 10% and the last 5 points are dropped, and `slide` compares p
 
 @dataclass
 class LRFindResult:
-    """The sweep: lrs, raw and smoothed losses, suggestions by name, and the plot as PNG."""
+    """What `lr_find` returns: lrs, raw and smoothed losses, suggestions by name, and the
+    plot as PNG.
+
+    Example:
+        >>> import tpu_utility as tu
+        >>> r = tu.LRFindResult(lrs=[1e-3, 1e-2], losses=[1.0, 0.5], raw_losses=[1.0, 0.5],
+        ...                     suggestions={"one_cycle": 2.5e-3}, stopped_early=False)
+        >>> r.suggestion
+        0.0025
+    """
 
     lrs: List[float]
     losses: List[float]  # smoothed (debiased EMA), as plotted and used by the suggestions

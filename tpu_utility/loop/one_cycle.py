@@ -27,6 +27,7 @@ from ..schedules import check_one_cycle, one_cycle
 from .batch import as_loader, check_model_device, metric_name, train_step
 from .evaluate import check_count, epoch_totals, evaluate
 from .hypers import Hypers, momentum_key
+from . import running_loss
 from .resume import Resume
 from .state import EpochStats, History, LossGuard, Position
 
@@ -227,7 +228,7 @@ class _Run:
                                 + (["valid_loss"] + list(self.o.names) if self.valid else [])
                                 + ["lr", "time", "samples/s", "wait", "host/dev ms"], enabled=self.o.progress)
         current().sync_module(self.model)  # replicas that drew different weights start from the master's
-        self.loss_sum = current().running_loss(self.opt)
+        self.loss_sum = running_loss.running_loss(self.opt)
 
     def finish(self) -> History:
         """The plot, if asked for (a failed write warns: the training is never lost to it)."""
@@ -246,7 +247,7 @@ def _train_epoch(run: _Run, epoch: int, resume: Resume) -> None:
     o, at, opt = run.o, run.at, run.opt
     run.began = (xla_counts(), time.perf_counter())
     run.model.train()
-    current().running_loss_in_use(run.opt)
+    running_loss.in_use(run.opt)
     first = at.batch if epoch == at.epoch else 0
     run.samples = at.samples if first else 0
     bar = run.table.batches(run.train, run.batches - first)
@@ -291,7 +292,7 @@ def _end_epoch(run: _Run, epoch: int, resume: Resume) -> None:
     valid_sums = (evaluate(run.model, run.valid, run.loss_fn, run.o.metrics, run.o.batch_fn,
                            run.autocast) if run.valid is not None else None)
     values = epoch_totals(run.loss_sum, run.batches, valid_sums)
-    current().running_loss_zeroed(run.opt)
+    running_loss.zeroed(run.opt)
     seconds = time.perf_counter() - run.began[1]
     if run.valid is not None:
         check_count(values.pop(), len(run.valid.dataset), "valid_loader")

@@ -21,7 +21,7 @@ from .._tree import flatten
 from ..checkpoint import read, restore, state, write
 from ..devices import is_master
 from ..files import exclusive
-from ..preemption import Preempted
+from ..launch.preemption import Preempted
 from ..replica import current
 from .state import History, Position
 

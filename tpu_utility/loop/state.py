@@ -32,7 +32,14 @@ class EpochStats:
 
 @dataclass
 class History:
-    """What `train_one_cycle` returns: one `EpochStats` per epoch, plus the curves."""
+    """What `train_one_cycle` returns: one `EpochStats` per epoch, plus the curves.
+
+    Example:
+        >>> import tpu_utility as tu
+        >>> h = tu.History()
+        >>> h["valid_loss"], h.best
+        ([], None)
+    """
 
     epochs: List[EpochStats] = field(default_factory=list)
     lrs: List[float] = field(default_factory=list)  # per optimizer step

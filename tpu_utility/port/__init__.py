@@ -13,6 +13,5 @@ script's top-level training into a function), and rules/, one table of rules by 
 """
 from .cli import main, port
 from .pipeline import PortResult, port_source
-from .rules import Finder as _Finder  # the walk, by its old name (tests build one)
 
 __all__ = ["main", "port", "port_source", "PortResult"]

@@ -12,8 +12,8 @@ from typing import List
 from ..files import atomic_write
 from .magics import mask_magics
 from .notebook import add_import, code_lines, port_notebook
-from .pipeline import PortResult
-from .project import port_project, read_source, source_encoding
+from .pipeline import PortResult, parse
+from .project import local_modules, port_project, read_source, source_encoding
 
 HELP = """\
 usage: python -m tpu_utility port [--force] SCRIPT.py|NOTEBOOK.ipynb|PROJECT_FOLDER ...
@@ -91,9 +91,18 @@ def port(path: str, *, write: bool = True, force: bool = False) -> PortResult:
                              f"{getattr(e, 'lineno', '?')} ({getattr(e, 'msg', e)}); nothing written") from None
         result = port_notebook(original)
     else:
-        result = port_project(path, original)
-        for ported in [result] + result.modules:
-            ported.text = add_import(ported.text)
+        parse(original)  # a SyntaxError here is the file's own: the command says so
+        try:
+            result = port_project(path, original)
+            for ported in [result] + result.modules:
+                before, ported.text = ported.text, add_import(ported.text)
+                if before != ported.text:  # the notes' lines below the import move down
+                    ported.shift(after=_first_difference(before, ported.text))
+        except SyntaxError as e:
+            local_modules(path)  # a module beside it that does not parse is the user's too
+            raise ValueError(f"port: its own output for {path} does not parse (line {e.lineno}: "
+                             f"{e.msg}): the fault is port's, not your file's (which parses); "
+                             f"nothing written: please report it with your file") from None
     result.output = f"{base}_tpu{ext}"
     outputs = [result] + result.modules
     for ported in outputs:
@@ -105,6 +114,12 @@ def port(path: str, *, write: bool = True, force: bool = False) -> PortResult:
         for ported in outputs:
             atomic_write(ported.output, lambda f, b=data[ported.output]: f.write(b))
     return result
+
+
+def _first_difference(before: str, after: str) -> int:
+    """How many lines `before` and `after` share at their start."""
+    old, new = before.splitlines(), after.splitlines()
+    return next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), len(old))
 
 
 def _encoded(text: str, output: str) -> bytes:

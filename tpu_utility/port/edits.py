@@ -28,6 +28,15 @@ def inside(inner, outer) -> bool:
         (inner[2], inner[3]) <= (outer[2], outer[3])
 
 
+def output_line(edits, line: int) -> int:
+    """The line of the spliced text where line `line` of the source lands."""
+    out = line
+    for start, col, end, end_col, new in edits:
+        if start < line and end <= line or (start, col, end, end_col) == (line, 0, line, 0):
+            out += new.count("\n") - (end - start)
+    return out
+
+
 def apply(source: str, edits) -> str:
     """Splice the edits ((line, col, end_line, end_col, new), as `span`) into source."""
     lines = split_lines(source)
@@ -47,10 +56,17 @@ class Edits:
         self.lines = lines
         self.text = "".join(lines)
         self.edits: List[Tuple[int, int, int, int, str]] = []
+        self.edit_rules: dict = {}  # each of `edits` -> the id of the rule that made it
+        self.deleted: dict = {}  # id(statement) -> the edit that deletes its lines
         self.swaps: List[Tuple[int, str]] = []
         self.swap_rules: List[str] = []  # the rule id of each of `swaps`
         self.replaced: set = set()
         self.rule = ""
+
+    def add(self, edit: Tuple[int, int, int, int, str]) -> None:
+        """One splice, recorded with the rule at work."""
+        self.edits.append(edit)
+        self.edit_rules.setdefault(edit, self.rule)
 
     def source(self, node) -> str:
         return ast.get_source_segment(self.text, node)
@@ -67,7 +83,7 @@ class Edits:
         if self.taken(node, where):
             return False
         self.replaced.add(where)
-        self.edits.append((*where, new))
+        self.add((*where, new))
         self.swap(node.lineno, what)
         return True
 
@@ -82,10 +98,27 @@ class Edits:
         return (last + 1, 0) if last < len(self.lines) else (last, len(self.lines[-1].encode()))
 
     def remove(self, stmt, what: str, alone: bool) -> bool:
-        """Delete a statement's lines; `pass` where it is `alone` in its block or shares a line."""
+        """Delete a statement's lines; `pass` where it is `alone` in its block or shares a line
+        (`fill_emptied` puts `pass` where deletions empty a block of several)."""
         if alone or not self.owns_lines(stmt):
             return self.replace(stmt, "pass", what)
-        return self.replace(stmt, "", what, where=(stmt.lineno, 0, *self.lines_end(stmt.end_lineno)))
+        if not self.replace(stmt, "", what, where=(stmt.lineno, 0, *self.lines_end(stmt.end_lineno))):
+            return False
+        self.deleted[id(stmt)] = self.edits[-1]
+        return True
+
+    def fill_emptied(self, blocks) -> None:
+        """`pass` for each of `blocks` (statement lists) whose every statement was deleted:
+        rule `distributed.wrapper-line` deleting the three `x = nn.DataParallel(x)` lines
+        under `if FLAGS.parallel:` must not leave the `if` without a body."""
+        for block in blocks:
+            if all(self.deleted.get(id(stmt)) in self.edits for stmt in block):
+                first = block[0]
+                old = self.deleted[id(first)]
+                indent = self.lines[first.lineno - 1].encode()[:first.col_offset].decode()
+                new = (*old[:4], f"{indent}pass\n")
+                self.edits[self.edits.index(old)] = new
+                self.edit_rules[new] = self.edit_rules[old]
 
     def insert_line(self, stmt, code: str, before: bool) -> bool:
         """`code` on a line of its own before or after `stmt`, at its indentation; False
@@ -96,12 +129,12 @@ class Edits:
         if indent.strip() or after.split("#")[0].strip():
             return False
         if before:
-            self.edits.append((stmt.lineno, 0, stmt.lineno, 0, f"{indent}{code}\n"))
+            self.add((stmt.lineno, 0, stmt.lineno, 0, f"{indent}{code}\n"))
         elif stmt.end_lineno < len(lines):
-            self.edits.append((stmt.end_lineno + 1, 0, stmt.end_lineno + 1, 0, f"{indent}{code}\n"))
+            self.add((stmt.end_lineno + 1, 0, stmt.end_lineno + 1, 0, f"{indent}{code}\n"))
         else:
             end = len(lines[-1].encode())
-            self.edits.append((stmt.end_lineno, end, stmt.end_lineno, end,
+            self.add((stmt.end_lineno, end, stmt.end_lineno, end,
                                ("" if lines[-1].endswith("\n") else "\n") + f"{indent}{code}\n"))
         return True
 
@@ -111,7 +144,7 @@ class Edits:
         and comments. The call's span is not taken: its arguments may still be swapped."""
         arguments = sorted(node.args + node.keywords, key=lambda a: (a.lineno, a.col_offset))
         kept = [a for a in arguments if a not in dropped]
-        self.edits.append((*span(node.func), func))
+        self.add((*span(node.func), func))
         i = 0
         while i < len(arguments):  # each run of dropped arguments goes with its commas
             if arguments[i] in kept:
@@ -126,8 +159,8 @@ class Edits:
                 cut = (*span(arguments[i - 1])[2:], *span(arguments[j])[2:])
             else:
                 cut = (*span(arguments[i])[:2], *span(arguments[j])[2:])
-            self.edits.append((*cut, ""))
+            self.add((*cut, ""))
             i = j + 1
         if added:
             end = span(kept[-1])[2:] if kept else span(node)[2:]
-            self.edits.append((*end, *end, f", {added}" if kept else added))
+            self.add((*end, *end, f", {added}" if kept else added))

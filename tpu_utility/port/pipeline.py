@@ -3,14 +3,16 @@ the rules' walk -> the passes over the module -> splice the edits."""
 from __future__ import annotations
 
 import ast
+import os
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 from .classes import init_moves as own_init_moves, instance_calls, training_methods
-from .edits import apply, split_lines
+from .edits import apply, output_line, split_lines
 from .facts import module_facts
 from .magics import mask_magics
 from .rules import Finder
+from .rules.steps import blocks
 from .rules.structure import WRAP, training_functions, trains
 from .wrap import wrap_top_level
 
@@ -31,13 +33,25 @@ class PortResult:
     # (line, [(span, code)]) of each note whose fix is code, spans of the source as given
     # (a script port wrapped has none)
     note_fixes: List[Tuple[int, list]] = field(default_factory=list)
+    # per note of `todo`, its line in the ported text (where the user edits; a wrapped
+    # script's lines move); empty where port gives none (a notebook's cells)
+    ported_lines: List[int] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"{len(self.swaps)} swaps made"]
         if self.todo:
             lines.append(f"{len(self.todo)} things port could not do safely:")
-            lines += [f"  {i}. line {line}: {what}" for i, (line, what) in enumerate(self.todo, 1)]
+            name = os.path.basename(self.output or "") or "the ported file"
+            at = self.ported_lines if len(self.ported_lines) == len(self.todo) else \
+                [line for line, _ in self.todo]
+            lines += [f"  {i}. line {line}: {what}" if line == ported else
+                      f"  {i}. {name}:{ported}, original line {line}: {what}"
+                      for i, ((line, what), ported) in enumerate(zip(self.todo, at), 1)]
         return "\n".join(lines)
+
+    def shift(self, after: int) -> None:
+        """The ported lines after line `after` move down one (a line inserted there)."""
+        self.ported_lines = [n + 1 if n > after else n for n in self.ported_lines]
 
 
 def parse(source: str) -> ast.Module:
@@ -90,17 +104,59 @@ def port_source(source: str, optimizers: Optional[set] = None,
     finder.visit(tree)
     finder.passes(tree)
     edits, notes = finder.edits, finder.notes
+    edits.fill_emptied(blocks(tree))
+    text = apply(source, edits.edits)
+    check_parses(source, text, edits, wrapped is not None)
     swaps = sorted(zip(edits.swaps, edits.swap_rules))
-    todo = sorted(zip(notes.todo, notes.rules))
+    # each note with its line in the ported text, sorted with it
+    todo = sorted(((line, what, output_line(edits.edits, line)), rule)
+                  for (line, what), rule in zip(notes.todo, notes.rules))
     fixes = [(line, fix) for (line, _), fix in zip(notes.todo, notes.fixes) if fix]
     if wrapped is not None:  # report the original's lines
         what = (f"training at the top level -> def {wrapped.name}(), run on every core by "
                 f"tu.run({wrapped.name}, cores=8)")
         swaps = sorted([((wrapped.line(n), w), r) for (n, w), r in swaps]
                        + [((wrapped.start, what), WRAP.id)])
-        todo = sorted([((wrapped.line(n), w), r) for (n, w), r in todo]
-                      + [(note, WRAP.id) for note in wrapped.notes])
+        todo = sorted([((wrapped.line(n), w, p), r) for (n, w, p), r in todo]
+                      + [((n, w, output_line(edits.edits, wrapped.origin.index(n) + 1)
+                           if n in wrapped.origin else n), WRAP.id) for n, w in wrapped.notes])
         fixes = []
-    return PortResult(apply(source, edits.edits), [s for s, _ in swaps], [t for t, _ in todo],
+    return PortResult(text, [s for s, _ in swaps], [t[:2] for t, _ in todo],
                       swap_rules=[(s[0], r) for s, r in swaps],
-                      note_rules=[(t[0], r) for t, r in todo], note_fixes=fixes)
+                      note_rules=[(t[0], r) for t, r in todo], note_fixes=fixes,
+                      ported_lines=[t[2] for t, _ in todo])
+
+
+def check_parses(source: str, text: str, edits, wrapped: bool) -> None:
+    """Raise a ValueError naming the rules behind it where port's own output does not parse:
+    the original parsed, so the fault is port's, never the user's file.
+
+    Args:
+        source: the source the edits apply to (a wrapped script's wrapped text).
+        text: `source` with every edit spliced in.
+        edits: the Edits, each with the id of the rule that made it.
+        wrapped: whether port wrapped the script (then `source` is port's too).
+    """
+    try:
+        parse(text)
+        return
+    except SyntaxError as e:
+        error = e
+    rules = sorted(set(edits.edit_rules.get(e, "") for e in edits.edits) - {""})
+    faulty = [r for r in rules if _parses(apply(source, [e for e in edits.edits
+                                                         if edits.edit_rules.get(e) != r]))]
+    if wrapped and not _parses(source):
+        faulty.append(WRAP.id)
+    named = ", ".join(f"`{r}`" for r in faulty or rules)
+    raise ValueError(f"port: its own output does not parse (line {error.lineno}: {error.msg}) "
+                     f"after rule{'s' if len(faulty or rules) != 1 else ''} {named}: the fault "
+                     f"is port's, not your file's (which parses); nothing written: please "
+                     f"report it with your file")
+
+
+def _parses(text: str) -> bool:
+    try:
+        parse(text)
+        return True
+    except SyntaxError:
+        return False

@@ -8,21 +8,27 @@ import ast
 from typing import List
 
 from ..facts import ModuleFacts
-from . import accelerate, amp_io, device, distributed, entry, loaders, order, sampled, steps, structure
+from . import (accelerate, amp_io, conditions, device, distributed, entry, loaders, order, reads,
+               runtime, sampled, steps, structure)
 from .rule import Context, Rule
 
 RULES: List[Rule] = [
     structure.WRAP,
+    *conditions.RULES,
     *device.RULES,
     *distributed.RULES,
     *accelerate.RULES,
+    *runtime.RULES,
     *steps.CALL_RULES,
     *loaders.RULES,
     *amp_io.RULES,
+    *reads.RULES,
     *steps.PASSES,
     *loaders.PASSES,
     *sampled.PASSES,
     *order.RULES,
+    *runtime.PASSES,
+    *reads.PASSES,
     *structure.PASSES,
     *entry.PASSES,
 ]

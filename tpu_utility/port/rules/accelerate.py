@@ -169,7 +169,7 @@ def _call(ctx: Context, node: ast.Call) -> None:
                              f"{'x.backward()' if attr == 'backward' else 'x'}", where=start):
             end = (arg.end_lineno, arg.end_col_offset, node.end_lineno, node.end_col_offset)
             ctx.edits.replaced.add(end)
-            ctx.edits.edits.append((*end, after))
+            ctx.edits.add((*end, after))
         if attr in ("gather", "gather_for_metrics"):
             ctx.notes.add(node.lineno, f"`{ctx.edits.source(node).splitlines()[0]}` became its "
                           f"argument: {_GATHER_NOTE}")

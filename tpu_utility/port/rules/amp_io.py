@@ -12,9 +12,48 @@ from .rule import Context, Rule, called, method_called
 AUTOCASTS = ("torch.cuda.amp.autocast", "autocast", "amp.autocast")
 
 
+# the parameters of each spelling, in order (a positional argument is named by its place)
+_AUTOCAST_PARAMS = ("enabled", "dtype", "cache_enabled")
+_DEVICE_AUTOCAST_PARAMS = ("device_type", "dtype", "enabled", "cache_enabled")
+_SCALER_PARAMS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled")
+_HALF = ("torch.bfloat16", "torch.float16", "torch.half")
+
+
+def arguments(node, params) -> dict:
+    """{parameter: argument node} of a call, positional ones named by `params`."""
+    named = dict(zip(params, node.args))
+    named.update({k.arg: k.value for k in node.keywords if k.arg})
+    return named
+
+
 def _autocast(ctx: Context, node) -> None:
-    if dotted(node.func) != "torch.autocast" or node.args and is_cuda_string(node.args[0]):
-        ctx.edits.replace(node, "tu.autocast()", "autocast -> tu.autocast (bf16 on TPU)")
+    name = dotted(node.func)
+    device_first = name in ("torch.autocast", "torch.amp.autocast")
+    args = arguments(node, _DEVICE_AUTOCAST_PARAMS if device_first else _AUTOCAST_PARAMS)
+    if device_first and not is_cuda_string(args.get("device_type")):
+        return  # torch.autocast("cpu"), or a device port cannot read: left as it is
+    enabled = args.get("enabled")
+    # enabled= keeps its meaning: autocast(enabled=args.fp16) off stays off (full precision)
+    new = f"tu.autocast(enabled={ctx.edits.source(enabled)})" if enabled is not None else "tu.autocast()"
+    if ctx.edits.replace(node, new, f"autocast -> {new} (bf16 on TPU)"):
+        dtype = args.get("dtype")
+        # float16 -> bfloat16 is the swap itself (tu.autocast's documented policy); any
+        # other dtype (float32, or a name set elsewhere) may mean something else
+        if dtype is not None and dotted(dtype) not in _HALF:
+            ctx.notes.add(node.lineno, f"`{ctx.edits.source(node)}` asked for "
+                          f"{ctx.edits.source(dtype)}: tu.autocast computes in bfloat16 on a "
+                          f"TPU (float16 on a GPU); where that dtype can be float32, pass "
+                          f"enabled=False for it (tu.autocast(enabled=...))")
+
+
+def _grad_scaler(ctx: Context, node) -> None:
+    # torch.amp.GradScaler("cuda", ...) names its device first; tu.GradScaler picks it
+    params = (("device",) if dotted(node.func) == "torch.amp.GradScaler" else ()) + _SCALER_PARAMS
+    kept = [f"{k}={ctx.edits.source(v)}" for k, v in arguments(node, params).items() if k != "device"]
+    new = f"tu.GradScaler({', '.join(kept)})"
+    # enabled=False stays a scaler that does nothing, as torch's
+    ctx.edits.replace(node, new, f"GradScaler -> {new} (its arguments kept)" if kept else
+                      "GradScaler -> tu.GradScaler")
 
 
 # methods only a model has among the things scripts call save_pretrained on (a tokenizer,
@@ -52,11 +91,11 @@ RULES = [
          ast.Call, called("torch.save"),
          lambda ctx, node: ctx.edits.replace(node.func, "tu.save", "torch.save -> tu.save "
                                                                    "(master only, one transfer)")),
-    Rule("amp.grad-scaler", "GradScaler() becomes tu.GradScaler()", ast.Call,
-         called(*GRAD_SCALERS),
-         lambda ctx, node: ctx.edits.replace(node, "tu.GradScaler()", "GradScaler -> tu.GradScaler")),
+    Rule("amp.grad-scaler", "GradScaler(...) becomes tu.GradScaler(...), its arguments "
+         "(enabled=) kept", ast.Call, called(*GRAD_SCALERS), _grad_scaler),
     Rule("amp.autocast", "torch.cuda.amp.autocast() and torch.autocast('cuda') become "
-         "tu.autocast()", ast.Call, called(*AUTOCASTS, "torch.autocast"), _autocast),
+         "tu.autocast(), enabled= kept; a dtype other than bfloat16 is listed", ast.Call,
+         called(*AUTOCASTS, "torch.autocast", "torch.amp.autocast"), _autocast),
     Rule("io.synchronize", "torch.cuda.synchronize() becomes tu.sync()", ast.Call,
          called("torch.cuda.synchronize"),
          lambda ctx, node: ctx.edits.replace(node, "tu.sync()", "torch.cuda.synchronize() -> tu.sync()")),

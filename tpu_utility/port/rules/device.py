@@ -161,7 +161,8 @@ def _torch_device(ctx: Context, node) -> None:
 
 
 def _is_cudnn_setting(ctx: Context, node) -> bool:
-    return all(re.match(r"(torch\.backends\.)?cudnn\.\w+$", dotted(t)) for t in node.targets)
+    return all(re.match(r"(torch\.backends\.)?cudnn\.\w+$|torch\.backends\.cuda\.(matmul\.)?\w+$",
+                        dotted(t)) for t in node.targets)
 
 
 def _to_device(ctx: Context, node) -> None:
@@ -211,7 +212,8 @@ RULES = [
          "tu.get_device()", ast.Call, called("torch.accelerator.current_accelerator"),
          lambda ctx, node: ctx.device(node, "torch.accelerator.current_accelerator() -> "
                                             "tu.get_device()")),
-    Rule("device.cudnn", "`torch.backends.cudnn.benchmark = ...` (any cudnn setting) goes",
+    Rule("device.cudnn", "`torch.backends.cudnn.benchmark = ...` (any cudnn setting, and "
+         "torch.backends.cuda.matmul's) goes",
          ast.Assign, _is_cudnn_setting,
          lambda ctx, node: ctx.remove(node, f"{dotted(node.targets[0])} has no meaning on a "
                                             f"TPU: removed"), inside=False),

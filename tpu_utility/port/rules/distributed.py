@@ -51,7 +51,18 @@ def _sampler_names(tree) -> set:
 
 def _statement(pattern):
     return lambda ctx, node: isinstance(node.value, ast.Call) and \
-        pattern.search(dotted(node.value.func)) is not None
+        pattern.search(_qualified(ctx, dotted(node.value.func))) is not None
+
+
+def _qualified(ctx: Context, name: str) -> str:
+    """`dist.init_process_group` for `init_process_group` imported by name from
+    torch.distributed (`from torch.distributed import init_process_group`)."""
+    if "distributed names" not in ctx.memo:
+        ctx.memo["distributed names"] = {
+            a.asname or a.name: a.name for n in ast.walk(ctx.facts.tree)
+            if isinstance(n, ast.ImportFrom) and n.module == "torch.distributed" for a in n.names}
+    known = ctx.memo["distributed names"]
+    return f"dist.{known[name]}" if name in known else name
 
 
 def _spawn(ctx: Context, node) -> None:
@@ -84,7 +95,7 @@ def _all_reduce(ctx: Context, node) -> None:
                       "dist.all_reduce -> tu.all_reduce")
 
 
-def _env_rank(ctx: Context, node) -> bool:
+def env_rank(ctx: Context, node) -> bool:
     """`int(os.environ["LOCAL_RANK"])`, `int(os.environ.get("RANK", 0))`."""
     if dotted(node.func) != "int" or len(node.args) != 1:
         return False
@@ -101,7 +112,8 @@ def _env_key(node) -> str:
 
 RULES = [
     Rule("distributed.process-group", "dist.init_process_group(), dist.barrier() and "
-         "dist.destroy_process_group() lines go: tu.run sets up the replicas", ast.Expr,
+         "dist.destroy_process_group() lines (imported by name too) go: tu.run sets up the "
+         "replicas", ast.Expr,
          _statement(_GROUP), lambda ctx, node: ctx.remove(
              node, f"{dotted(node.value.func)}() -> removed (tu.run sets up the replicas)"),
          inside=False),
@@ -137,7 +149,7 @@ RULES = [
     Rule("distributed.rank", "dist.get_rank() and dist.get_world_size() become tu.rank() and "
          "tu.world_size(); int(os.environ['LOCAL_RANK']) and the like too", ast.Call,
          lambda ctx, node: re.search(_DIST + r"get_(rank|world_size)$", dotted(node.func)) is not None
-         or _env_rank(ctx, node),
+         or env_rank(ctx, node),
          lambda ctx, node: ctx.edits.replace(
              node, _ENV[_env_key(node)] if dotted(node.func) == "int" else
              "tu.rank()" if dotted(node.func).endswith("rank") else "tu.world_size()",

@@ -141,7 +141,7 @@ def _make_loader(ctx: Context, node, dropped, train_false: bool) -> None:
     # make_loader's third parameter on is keyword-only: DataLoader(ds, 32, False, ...)
     for name, arg in zip(LOADER_ARGS[2:], node.args[2:]):
         if arg not in dropped:
-            edits.edits.append((*span(arg), f"{name}={edits.source(arg)}"))
+            edits.add((*span(arg), f"{name}={edits.source(arg)}"))
     edits.swap(node.lineno, "DataLoader -> tu.make_loader" + (" (train=False)" if train_false else ""))
 
 

@@ -72,7 +72,7 @@ class MovesFirst:
         for block in blocks(self.facts.tree):
             self._scan(block, Unmoved())
         for line, texts in self.inserts.items():  # one edit a place: their order is kept
-            self.edits.edits.append((line, 0, line, 0, "".join(texts)))
+            self.edits.add((line, 0, line, 0, "".join(texts)))
 
     def _scan(self, block, state: Unmoved) -> None:
         top = not any(isinstance(p, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
@@ -192,7 +192,7 @@ class MovesFirst:
         else:
             end = len(self.edits.lines[-1].encode())
             lead = "" if self.edits.lines[-1].endswith("\n") else "\n"
-            self.edits.edits.append((stmt.end_lineno, end, stmt.end_lineno, end, lead + "".join(texts)))
+            self.edits.add((stmt.end_lineno, end, stmt.end_lineno, end, lead + "".join(texts)))
         names = " and ".join(sorted(f"`{m.name}`" for m in hit))
         code = " ".join(self.edits.source(stmt).split())
         self.edits.swap(stmt.lineno, f"{names} moved down, after `{code}`: on XLA .to() makes "
@@ -252,7 +252,7 @@ def _take(edits, stmt, floor: int) -> str:
         edits.edits.remove(e)
     text = apply("".join(edits.lines[lo - 1:stmt.end_lineno]),
                  [(a - lo + 1, b, c - lo + 1, d, new) for a, b, c, d, new in inner])
-    edits.edits.append((lo, 0, *edits.lines_end(stmt.end_lineno), ""))
+    edits.add((lo, 0, *edits.lines_end(stmt.end_lineno), ""))
     return text if text.endswith("\n") else text + "\n"
 
 

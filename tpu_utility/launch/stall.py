@@ -161,7 +161,7 @@ def where(dump: str) -> str:
     process whose replicas are threads (TPU v2/v3) has one such thread per replica: each
     is named, once per place."""
     threads = _threads(dump)
-    # The threads through launcher._replica_main, which calls train_fn.
+    # The threads through launch/child.py's _replica_main, which calls train_fn.
     mine = [t for t in threads if any(f[2] == "_replica_main" for f in t)]
     if not mine:
         return "is not running train_fn"
@@ -205,7 +205,7 @@ def _threads(dump: str):
 
 _LIBRARY_DIRS = tuple(os.path.realpath(p) + os.sep for p in {
     sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
-    sysconfig.get_paths()["platlib"], os.path.dirname(__file__)})
+    sysconfig.get_paths()["platlib"], os.path.dirname(os.path.dirname(__file__))})  # the package
 
 
 def _user_frame(frames):

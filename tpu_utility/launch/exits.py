@@ -24,7 +24,7 @@ class Stages:
 
     Example:
         >>> import multiprocessing
-        >>> from tpu_utility import exits
+        >>> from tpu_utility.launch import exits
         >>> stages = exits.Stages(2, multiprocessing.get_context("fork"))
         >>> stages.mark(1, exits.IN_TRAIN_FN); stages[0], stages[1]
         (0, 2)

@@ -25,7 +25,7 @@ def die_with_parent(parent_pid: Optional[int] = None) -> None:
     exist (macOS, Windows) nothing changes.
 
     Example:
-        >>> import multiprocessing, tpu_utility.children as c
+        >>> import multiprocessing, tpu_utility.launch.children as c
         >>> p = multiprocessing.get_context("fork").Process(target=c.die_with_parent)
         >>> p.start(); p.join(); p.exitcode
         0
@@ -53,7 +53,7 @@ def die_with_parent_process(parent_pid: int, parent_main_thread: int) -> None:
     a daemon thread instead, once a second.
 
     Example:
-        >>> import multiprocessing, os, threading, tpu_utility.children as c
+        >>> import multiprocessing, os, threading, tpu_utility.launch.children as c
         >>> args = (os.getpid(), threading.main_thread().ident)
         >>> p = multiprocessing.get_context("fork").Process(target=c.die_with_parent_process,
         ...                                                 args=args)
@@ -83,7 +83,7 @@ def descendants(pids: Iterable[int]) -> List[Tuple[int, str]]:
     process from a later one that the system gave the same pid (see `kill`).
 
     Example:
-        >>> import subprocess, time, tpu_utility.children as c
+        >>> import subprocess, time, tpu_utility.launch.children as c
         >>> shell = subprocess.Popen(["sh", "-c", "sleep 30 & wait"]); time.sleep(0.5)
         >>> below = c.descendants([shell.pid]); len(below)
         1

@@ -1,0 +1,106 @@
+"""The child's entry: one replica process of a run, from its start to its report.
+
+`process_main` readies the process (it dies with its parent; the functionalization switch;
+the stall watch's stack dumps; compile memory into the run's folder; one torch thread
+after a fork) and has the engine start its replicas; each replica (`_replica_main`) makes
+its record current, runs train_fn, and reports its result or its error.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from .. import memory, replica, step
+from . import exits
+from .children import die_with_parent
+from ..compat import FUNCTIONALIZATION_ENV
+from ..hf import masks_without_reads
+from ..files import atomic_write
+from .preemption import StopBoard
+from .stall import Heartbeats, dump_on_signal, dump_path
+from .results import MEMORY_FILE, report_error, result_on_cpu, unpicklable_result
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What every replica process of one run receives from the caller."""
+
+    engine: type  # the engine class
+    setup: Any  # what the engine's prepare yielded
+    train_fn: Callable[..., Any]
+    args: tuple
+    results: Any  # the queue of reports
+    start_method: str
+    outbox: str  # the run's private folder: results and tracebacks
+    parent_pid: int
+    board: StopBoard
+    beats: Optional[Heartbeats]
+    stages: exits.Stages  # how far each process got, for when one leaves without a word
+    functionalization: Optional[bool]  # None: as the environment says
+
+
+def process_main(launch: Launch, local_rank: int) -> None:
+    """A replica process of the run: readied, then its engine starts its replicas."""
+    beat, _dump_file = _ready(launch, local_rank)  # the file stays open while the replicas run
+    try:
+        launch.engine.start(launch.setup, local_rank,
+                            functools.partial(_replica_main, launch, beat, local_rank))
+    except BaseException as e:  # the engine failed to start (a replica's own errors are reported)
+        report_error(launch.results, launch.outbox, local_rank, e)
+
+
+def _ready(launch: Launch, local_rank: int) -> tuple:
+    """The process readied: it dies with its parent; functionalization as asked; its
+    stack dump on the stall watch's signal; compile memory into the run's folder; one
+    torch thread after a fork. Returns its heartbeat slot and the open dump file."""
+    die_with_parent(launch.parent_pid)
+    if launch.functionalization is not None:
+        # torch_xla reads it at every tensor it makes: set before train_fn makes one, it
+        # holds for the whole replica, even where the caller imported torch_xla.
+        os.environ[FUNCTIONALIZATION_ENV] = "0" if launch.functionalization else "1"
+    beat = dump_file = None
+    if launch.beats is not None:
+        dump_file = dump_on_signal(dump_path(launch.outbox, local_rank))
+        beat = launch.beats.slot(local_rank)
+    launch.stages.mark(local_rank, exits.STARTING)
+    memory.compiles_in(launch.outbox)
+    if launch.start_method == "fork":
+        # torch's OpenMP pool (libgomp) hangs in a forked child if the parent used it, at
+        # the child's first parallel CPU op. One thread runs ops inline, as DataLoader
+        # workers do; XLA's own threads are unaffected.
+        import torch
+        torch.set_num_threads(1)
+    return beat, dump_file
+
+
+def _replica_main(launch: Launch, beat, local_rank: int, engine) -> None:
+    import torch
+    results, outbox = launch.results, launch.outbox
+    try:
+        me = replica.Replica(engine, heartbeat=beat, board=launch.board)
+        with replica.activate(me), masks_without_reads():
+            launch.stages.mark(local_rank, exits.IN_TRAIN_FN)
+            out = launch.train_fn(*launch.args)
+            launch.stages.mark(local_rank, exits.RETURNED)
+            # A returned model comes back as a CPU copy, and no tensor stays on the device,
+            # however deep in the result (the caller would start its XLA runtime to load it).
+            out = result_on_cpu(out, must_pickle=engine.rank == 0)
+            path = None
+            measured = step.of(me).memory
+            if engine.rank == 0 and measured is not None:  # what it measured, for doctor
+                ran = memory.with_peak(measured)
+                atomic_write(os.path.join(outbox, MEMORY_FILE), lambda f: f.write(memory.to_json(ran)))
+            if engine.rank == 0:  # before the others leave: a result that cannot travel says so
+                path = os.path.join(outbox, "result.pt")
+                try:
+                    atomic_write(path, lambda f: torch.save(out, f))
+                except Exception as e:
+                    raise unpicklable_result(out, e) from None
+            # No replica leaves before the master is done, its writes included.
+            engine.barrier()
+        results.put((engine.rank, "ok", path))
+    except BaseException as e:
+        report_error(results, outbox, engine.rank, e)
