@@ -266,16 +266,29 @@ ISSUE_48 = {
     "gpt_sampled": ({"BATCH_SIZE": "32"}, {"BATCH_SIZE": "32"}, {"BATCH_SIZE": "32"}, r"LOSS (\S+)"),
 }
 ENTRIES = {"multifile": "main.py", "diffusion_absl": "main.py", "contrastive_class": "run.py"}
-XFAIL_48 = {}
+XFAIL_48 = {
+    # at 1 core it passes; at 8 the loss (simclr.py's info_nce_loss, a method in a module
+    # without a loader) builds its labels from self.args.batch_size, the per-core batch,
+    # against features of 8x as many rows: port lists the line (loaders.batch-size-shape)
+    # but no rule rewrites it yet; by hand: labels from features.shape[0] // n_views
+    "contrastive_class": "needs a rule that sizes info_nce_loss's labels from the batch (one "
+                         "line by hand at 8 cores: torch.arange(features.shape[0] // n_views))",
+}
 
-# the driver of the shared run: a job that fails prints its error and the next one runs
+# the driver of the shared run: a job that fails prints its error and the next one runs;
+# the absl flags a job defines go with it (the next job's script defines them again)
 ISOLATING_DRIVER = DRIVER.replace(
     '    runpy.run_path(path, run_name="__main__")\n',
+    '    absl = sys.modules.get("absl.flags")\n'
+    '    before = set(absl.FLAGS) if absl else set()\n'
     '    try:\n'
     '        runpy.run_path(path, run_name="__main__")\n'
     '    except BaseException as e:  # app.run exits 0 at its end\n'
     '        if not (isinstance(e, SystemExit) and e.code in (None, 0)):\n'
-    '            import traceback; traceback.print_exc(); print(f"=== failed {name}", flush=True)\n')
+    '            import traceback; traceback.print_exc(); print(f"=== failed {name}", flush=True)\n'
+    '    absl = sys.modules.get("absl.flags")\n'
+    '    for flag in set(absl.FLAGS) - before if absl else ():\n'
+    '        delattr(absl.FLAGS, flag)\n')
 
 
 def _port_shape(tmp_path, name):

@@ -290,3 +290,32 @@ def test_an_endless_generator_over_a_loader_feeds_the_loop():
     assert "tu.sync()" not in result.text and not any("reads no DataLoader" in n for _, n in result.todo)
     unfed = port_source(source.replace("next(datalooper)", "make_batch()"))
     assert "tu.sync()" in unfed.text
+
+
+def test_a_model_moved_in_a_class_init_under_a_with_block_moves_before_its_optimizer():
+    source = textwrap.dedent(INIT_MOVES) + textwrap.dedent('''\
+
+
+        def main():
+            optimizer = torch.optim.Adam(model.parameters(), 3e-4)
+            with torch.cuda.device(args.gpu_index):
+                simclr = SimCLR(model=model, optimizer=optimizer, args=args)
+                simclr.train(loader)
+        ''')
+    lines = port_source(source).text.splitlines()
+    at = lines.index("    model.to(tu.get_device())")
+    assert lines[at + 1] == "    optimizer = torch.optim.Adam(model.parameters(), 3e-4)"
+
+
+def test_a_package_init_that_would_change_is_listed_not_written(tmp_path):
+    result = _project(tmp_path, {
+        "models/__init__.py": "from .unet import UNet\n",
+        "models/unet.py": "import torch\n\n\nclass UNet(torch.nn.Module):\n    def forward(self, x):\n"
+                          "        return x.cuda()\n",
+        "main.py": "import torch\nfrom models import UNet\n\n\ndef main():\n    model = UNet()\n"
+                   "    for x in loader:\n        model(x).sum().backward()\n\n\nif __name__ == '__main__':\n"
+                   "    main()\n"})
+    assert (tmp_path / "models" / "unet_tpu.py").exists()
+    assert not list(tmp_path.rglob("__init___tpu.py"))
+    assert "from models import UNet" in open(result.output).read()
+    assert any("the package models's __init__.py needs port's changes" in what for _, what in result.todo)

@@ -519,6 +519,15 @@ def train(model, data):
         tu.optimizer_step(opt)
         tu.sync()
 ''', notes=('loaders.sampled-batch', 'steps.sync')),
+    Case('loaders.batch-size-shape', '''\
+def info_nce_loss(self, features):
+    labels = torch.cat([torch.arange(self.args.batch_size) for i in range(2)], dim=0)
+    return labels.to(features.device)
+''', '''\
+def info_nce_loss(self, features):
+    labels = torch.cat([torch.arange(self.args.batch_size) for i in range(2)], dim=0)
+    return labels.to(features.device)
+''', notes=('loaders.batch-size-shape',)),
     Case('entry.absl-app-run', '''\
 from absl import app
 

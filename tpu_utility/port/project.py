@@ -106,22 +106,30 @@ def port_project(path: str, source: str) -> PortResult:
     results = {name: port_source(text, set(optimizers), set(trained), init_moves=visible(
         trees[name], {**inits, "": inits[name]})) for name, text in modules.items()}
     changed = {name for name, r in results.items() if r.text != modules[name]}
+    changed |= {name for name in modules if local[name].endswith("__init__.py") and  # `from .unet`
+                _import_ported(modules[name], changed, name, True) != modules[name]}
     entry = port_source(source, set(optimizers), set(trained), script=True,
                         init_moves=visible(entry_tree, inits))
-    entry.text = _import_ported(entry.text, changed)
+    written = {name for name in changed if not local[name].endswith("__init__.py")}
+    entry.text = _import_ported(entry.text, written)
     folder = os.path.dirname(path)
     for name in sorted(changed):
         result = results[name]
-        if os.path.basename(local[name]) == "__init__.py":  # its _tpu twin would be another package
-            entry.todo.append((1, f"the package {name} ({local[name]}) needs changes port made "
-                                  f"in {name}/__init___tpu.py: copy them into its __init__.py"))
-        result.text = _import_ported(result.text, changed, name, local[name].endswith("__init__.py"))
+        if os.path.basename(local[name]) == "__init__.py":  # a twin would be another package
+            entry.todo.append((1, f"the package {name}'s __init__.py needs port's changes "
+                                  f"(it imports modules port ported, or swaps of its own): "
+                                  f"port writes no twin of a package; import the _tpu modules "
+                                  f"(`from {name}.x_tpu import ...`) or edit it"))
+            if len(entry.ported_lines) == len(entry.todo) - 1:
+                entry.ported_lines.append(1)
+            continue
+        result.text = _import_ported(result.text, written, name, local[name].endswith("__init__.py"))
         result.output = os.path.join(folder, *name.split(".")[:-1],
                                      os.path.basename(local[name])[:-3] + "_tpu.py")
         entry.modules.append(result)
-    if changed:
+    if written:
         entry.swaps.append((1, f"the local modules it imports, ported: "
-                               f"{', '.join(sorted(changed))} -> {', '.join(n + '_tpu' for n in sorted(changed))}"))
+                               f"{', '.join(sorted(written))} -> {', '.join(n + '_tpu' for n in sorted(written))}"))
     return entry
 
 

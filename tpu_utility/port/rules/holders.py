@@ -45,3 +45,16 @@ def init_moved(nodes, init_moves: dict) -> List[Tuple[ast.Call, str]]:
             if arg is not None and dotted(arg):
                 out.append((n, dotted(arg)))
     return out
+
+
+def runs_once(facts, node, stmt) -> bool:
+    """Whether `node` runs once each time `stmt` (which holds it) runs: it sits in no
+    branch or loop of it, `with` blocks aside."""
+    for parent, _ in facts.ancestors(node):
+        if parent is stmt or not hasattr(parent, "body"):
+            if parent is stmt:
+                return isinstance(stmt, (ast.With, ast.AsyncWith)) or not hasattr(stmt, "body")
+            continue
+        if not isinstance(parent, (ast.With, ast.AsyncWith)):
+            return False
+    return False

@@ -15,7 +15,7 @@ from ..edits import apply
 from ..facts import OPTIMIZER, chains, dotted, moves_to_device, parameter_owners, run_nodes
 from .device import moves_to_cuda
 from .distributed import is_wrapper
-from .holders import constructed_from, held_moves, init_moved
+from .holders import constructed_from, held_moves, init_moved, runs_once
 from .rule import Context, Rule, always
 from .steps import blocks
 # Constructors of learning-rate schedules, which read an optimizer's settings, not its
@@ -206,7 +206,7 @@ def _move_first(mover: MovesFirst, block, i, hit, inits, top: bool) -> bool:
     the optimizer is made, where both are statements of one function's block (the
     class's own move then finds it there)."""
     models = {model for _, model in inits}
-    if top or not models or hasattr(block[i], "body") or any(
+    if top or not models or not all(runs_once(mover.facts, c, block[i]) for c, _ in inits) or any(
             m.block is not block or not isinstance(m.stmt, ast.Assign)
             or not mover.edits.owns_lines(m.stmt) or not m.owners <= models for m in hit):
         return False
