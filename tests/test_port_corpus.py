@@ -250,33 +250,104 @@ def _cells_as_script(notebook_text: str) -> str:
                      if c["cell_type"] == "code") + "\n"
 
 
-def test_issue_34_shapes_run_at_1_and_8_cores_as_ported_and_match_the_cpu_original(tmp_path):
+# Issue 48's four shapes: segmentation with AMP inline under `__main__`; a diffusion-like
+# model with an EMA copy, an endless generator over a DataLoader and absl's app.run, its
+# model in a local sub-package; a contrastive trainer whose loop is a method of a class in
+# another file; a GPT trained at the top level on batches it samples with torch.randint.
+# A shape waiting for a rule names it in XFAIL_48 (strict: it fails once the rule lands).
+ISSUE_48 = {
+    "seg_amp_inline": (["--batch-size", "32"], ["--batch-size", "32"], ["--batch-size", "4"],
+                       r"LOSS (\S+)"),
+    "diffusion_absl": (["--batch_size", "32"], ["--batch_size", "32"], ["--batch_size", "4"],
+                       r"LOSS (\S+)"),
+    "contrastive_class": (["--batch-size", "32"], ["--batch-size", "32"], ["--batch-size", "4"],
+                          r"LOSS (\S+)"),
+    # the script samples its own global batch: the same at every core count
+    "gpt_sampled": ({"BATCH_SIZE": "32"}, {"BATCH_SIZE": "32"}, {"BATCH_SIZE": "32"}, r"LOSS (\S+)"),
+}
+ENTRIES = {"multifile": "main.py", "diffusion_absl": "main.py", "contrastive_class": "run.py"}
+XFAIL_48 = {
+    # at 1 core it passes; at 8 the loss (simclr.py's info_nce_loss, a method in a module
+    # without a loader) builds its labels from self.args.batch_size, the per-core batch,
+    # against features of 8x as many rows: port lists the line (loaders.batch-size-shape)
+    # but no rule rewrites it yet; by hand: labels from features.shape[0] // n_views
+    "contrastive_class": "needs a rule that sizes info_nce_loss's labels from the batch (one "
+                         "line by hand at 8 cores: torch.arange(features.shape[0] // n_views))",
+}
+
+# the driver of the shared run: a job that fails prints its error and the next one runs;
+# the absl flags a job defines go with it (the next job's script defines them again)
+ISOLATING_DRIVER = DRIVER.replace(
+    '    runpy.run_path(path, run_name="__main__")\n',
+    '    absl = sys.modules.get("absl.flags")\n'
+    '    before = set(absl.FLAGS) if absl else set()\n'
+    '    try:\n'
+    '        runpy.run_path(path, run_name="__main__")\n'
+    '    except BaseException as e:  # app.run exits 0 at its end\n'
+    '        if not (isinstance(e, SystemExit) and e.code in (None, 0)):\n'
+    '            import traceback; traceback.print_exc(); print(f"=== failed {name}", flush=True)\n'
+    '    absl = sys.modules.get("absl.flags")\n'
+    '    for flag in set(absl.FLAGS) - before if absl else ():\n'
+    '        delattr(absl.FLAGS, flag)\n')
+
+
+def _port_shape(tmp_path, name):
+    """The shape's entry, copied to tmp_path (a folder with its modules), and its port."""
     import shutil
     from tpu_utility.port import port
-    jobs, originals, lines_by_hand = [], [], {}
-    for name, (orig, one, eight, _) in NEW_SHAPES.items():
-        if name == "multifile":
-            shutil.copytree(CORPUS / name, tmp_path / name)
-            entry = tmp_path / name / "main.py"
-        else:
-            suffix = ".ipynb" if name == "notebook_top_level" else ".py"
-            entry = tmp_path / f"{name}{suffix}"
-            entry.write_text((CORPUS / f"{name}{suffix}").read_text())
-        result = port(str(entry))
+    if name in ENTRIES:
+        shutil.copytree(CORPUS / name, tmp_path / name)
+        entry = tmp_path / name / ENTRIES[name]
+    else:
+        suffix = ".ipynb" if name == "notebook_top_level" else ".py"
+        entry = tmp_path / f"{name}{suffix}"
+        entry.write_text((CORPUS / f"{name}{suffix}").read_text())
+    return entry, port(str(entry))
+
+
+@pytest.fixture(scope="module")
+def shared_run(tmp_path_factory):
+    """Issue 34's and issue 48's shapes ported, run in one XLA process at 1 core and 8
+    SPMD devices, and their originals in one CPU process: (ported losses, CPU losses,
+    notes left per shape, ported text per shape, the XLA process's output)."""
+    tmp_path = tmp_path_factory.mktemp("shared")
+    shapes = {**NEW_SHAPES, **ISSUE_48}
+    jobs, originals, lines_by_hand, texts = [], [], {}, {}
+    for name, (orig, one, eight, _) in shapes.items():
+        try:
+            entry, result = _port_shape(tmp_path, name)
+        except Exception as e:  # a shape port cannot write yet: its test says so
+            texts[name] = f"port raised {e!r}"
+            continue
         text = open(result.output).read()
         original = entry.read_text()
         if name == "notebook_top_level":
             text, original = _cells_as_script(text), _cells_as_script(original)
             (tmp_path / f"{name}.py").write_text(original)
-        assert "tu.run(" in text, name
-        lines_by_hand[name] = len(result.todo)
+        texts[name] = text
+        lines_by_hand[name] = len(result.todo) + sum(len(m.todo) for m in result.modules)
         for tag, args, cores in (("1", one, 1), ("8", eight, 8))[1 if one is None else 0:]:
             path = entry.parent / f"{entry.stem}_tpu_{tag}.py"
             path.write_text(text.replace("cores=8", f"cores={cores}, start_method='fork'"))
             jobs.append([f"{name}:{tag}", str(path), *_split(args)])
         source = entry if name != "notebook_top_level" else tmp_path / f"{name}.py"
         originals.append([f"{name}:cpu", str(source), *_split(orig)])
-    got, want = _run_jobs(tmp_path, jobs, originals, NEW_SHAPES)
+    driver = tmp_path / "driver.py"
+    driver.write_text(ISOLATING_DRIVER)
+    ported = run_python([sys.executable, str(driver), json.dumps(jobs)], cwd=tmp_path,
+                         timeout=500, env=script_env())
+    assert ported.returncode == 0 and "=== end" in ported.stdout, ported.stdout[-3000:] + ported.stderr[-3000:]
+    cpu = run_process([sys.executable, str(driver), json.dumps(originals)], cwd=tmp_path,
+                      timeout=150, env=script_env())
+    assert cpu.returncode == 0 and "=== failed" not in cpu.stdout, cpu.stdout[-3000:] + cpu.stderr[-3000:]
+    return (_losses(ported.stdout, shapes), _losses(cpu.stdout, shapes), lines_by_hand, texts,
+            ported.stdout + ported.stderr)
+
+
+def test_issue_34_shapes_run_at_1_and_8_cores_as_ported_and_match_the_cpu_original(shared_run):
+    got, want, lines_by_hand, texts, _ = shared_run
+    for name in NEW_SHAPES:
+        assert "tu.run(" in texts[name], name
     for name in NEW_SHAPES:
         reference = want[f"{name}:cpu"]
         assert len(reference) >= 3, (name, reference)
@@ -289,6 +360,21 @@ def test_issue_34_shapes_run_at_1_and_8_cores_as_ported_and_match_the_cpu_origin
             # (6.7e-4); multifile's forward is under autocast: bf16 on XLA
             assert len(mine) == len(reference) and mine == pytest.approx(reference, rel=2e-3, abs=2e-4), (name, tag)
 
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
+    strict=True, reason=XFAIL_48[n])) if n in XFAIL_48 else n for n in ISSUE_48])
+def test_issue_48_shapes_run_at_1_and_8_cores_as_ported_and_match_the_cpu_original(shared_run, name):
+    got, want, lines_by_hand, texts, output = shared_run
+    assert "tu.run(" in texts[name], name
+    reference = want[f"{name}:cpu"]
+    assert len(reference) >= 3, (name, reference)
+    for tag in ("1", "8"):
+        mine = got.get(f"{name}:{tag}", [])
+        worst = max((abs(a - b) for a, b in zip(mine, reference)), default=float("nan"))
+        print(f"{name} at {tag} core(s): {len(mine)} losses, largest absolute difference "
+              f"{worst:.1e}, {lines_by_hand[name]} note(s) left")
+        assert f"=== failed {name}:{tag}" not in output, output[-4000:]
+        assert len(mine) == len(reference) and mine == pytest.approx(reference, rel=2e-3, abs=2e-4), (name, tag)
 
 
 def test_hf_scripts_keep_their_own_lines_and_lose_accelerate(tmp_path):

@@ -501,6 +501,63 @@ def train(model, args, train_ds):
         out = data.view(args.batch_size, -1)
     grid = torch.randn(args.batch_size, 20)
 ''', notes=('loaders.batch-shape',)),
+    Case('loaders.sampled-batch', '''\
+def train(model, data):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for it in range(10):
+        ix = torch.randint(len(data) - 8, (batch_size,))
+        loss = model(data[ix])
+        loss.backward()
+        opt.step()
+''', '''\
+def train(model, data):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for it in range(10):
+        ix = torch.randint(len(data) - 8, (batch_size,))
+        loss = model(data[ix])
+        loss.backward()
+        tu.optimizer_step(opt)
+        tu.sync()
+''', notes=('loaders.sampled-batch', 'steps.sync')),
+    Case('loaders.batch-size-shape', '''\
+def info_nce_loss(self, features):
+    labels = torch.cat([torch.arange(self.args.batch_size) for i in range(2)], dim=0)
+    return labels.to(features.device)
+''', '''\
+def info_nce_loss(self, features):
+    labels = torch.cat([torch.arange(self.args.batch_size) for i in range(2)], dim=0)
+    return labels.to(features.device)
+''', notes=('loaders.batch-size-shape',)),
+    Case('entry.absl-app-run', '''\
+from absl import app
+
+
+def main(argv):
+    for x in loader:
+        model(x).backward()
+
+
+if __name__ == "__main__":
+    app.run(main)
+''', '''\
+import sys
+from absl import app
+
+
+def main(argv):
+    for x in loader:
+        model(x).backward()
+
+
+def main_tpu(argv):
+    # app.run(main) parsed the flags, then exited with main's result: each
+    # replica parses them here (spawn starts it afresh), and the result returns
+    return main(app.parse_flags_with_usage(argv))
+
+
+if __name__ == "__main__":
+    tu.run(main_tpu, cores=8, args=(sys.argv,))
+''', script=True),
     Case('accelerate.import', '''\
 from accelerate import Accelerator
 import torch

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
+from .classes import init_moves as own_init_moves, instance_calls, training_methods
 from .edits import apply, output_line, split_lines
 from .facts import module_facts
 from .magics import mask_magics
@@ -62,7 +63,8 @@ def parse(source: str) -> ast.Module:
 
 
 def port_source(source: str, optimizers: Optional[set] = None,
-                train_fns: Optional[set] = None, *, script: bool = False) -> PortResult:
+                train_fns: Optional[set] = None, *, script: bool = False,
+                init_moves: Optional[dict] = None) -> PortResult:
     """The swaps for one piece of Python source (a script, or a notebook cell).
 
     Args:
@@ -73,6 +75,8 @@ def port_source(source: str, optimizers: Optional[set] = None,
         script: whether `source` is a whole script: its top-level training is then moved
             into a function that `tu.run` runs (wrap.py); a notebook's cells stay where
             they are, with a note.
+        init_moves: {class, as this source names it: the arguments its __init__ moves to
+            the device}, of other modules' classes (classes.py); its own are added.
 
     Example:
         >>> print(port_source("opt = torch.optim.SGD(m.parameters(), lr=0.1)\\nopt.step()\\n").text)
@@ -85,6 +89,8 @@ def port_source(source: str, optimizers: Optional[set] = None,
     optimizers = optimizers if optimizers is not None else set()
     optimizers.update(facts.optimizers)
     train_fns = train_fns if train_fns is not None else set()
+    train_fns |= instance_calls(tree, training_methods(tree))  # `trainer.train(loader)`
+    init_moves = {**(init_moves or {}), **own_init_moves(tree)}
     wrapped = None
     if script:
         known = training_functions(facts.functions, train_fns)
@@ -93,7 +99,8 @@ def port_source(source: str, optimizers: Optional[set] = None,
             source = wrapped.text
             tree = parse(source)
             facts = module_facts(tree)
-    finder = Finder(split_lines(source), facts, optimizers, train_fns=train_fns)
+    finder = Finder(split_lines(source), facts, optimizers, train_fns=train_fns,
+                    init_moves=init_moves)
     finder.visit(tree)
     finder.passes(tree)
     edits, notes = finder.edits, finder.notes

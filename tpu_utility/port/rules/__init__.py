@@ -8,7 +8,8 @@ import ast
 from typing import List
 
 from ..facts import ModuleFacts
-from . import accelerate, amp_io, conditions, device, distributed, loaders, order, reads, runtime, steps, structure
+from . import (accelerate, amp_io, conditions, device, distributed, entry, loaders, order, reads,
+               runtime, sampled, steps, structure)
 from .rule import Context, Rule
 
 RULES: List[Rule] = [
@@ -24,10 +25,12 @@ RULES: List[Rule] = [
     *reads.RULES,
     *steps.PASSES,
     *loaders.PASSES,
+    *sampled.PASSES,
     *order.RULES,
     *runtime.PASSES,
     *reads.PASSES,
     *structure.PASSES,
+    *entry.PASSES,
 ]
 
 

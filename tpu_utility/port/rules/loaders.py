@@ -149,6 +149,8 @@ def fed_by_loader(loop, facts: ModuleFacts) -> bool:
     """Whether a loop iterates what is (or may be) a DataLoader, whose make_loader swap
     cuts the graph each step: a name bound to one, a function's parameter, an attribute;
     not a range, a tensor's split, a list, or a `while`."""
+    if _next_of_loader(loop, facts):
+        return True
     it = getattr(loop, "iter", None)
     while isinstance(it, ast.Call) and dotted(it.func).split(".")[-1] in _WRAPPERS and it.args:
         it = it.args[0]
@@ -162,6 +164,21 @@ def fed_by_loader(loop, facts: ModuleFacts) -> bool:
         return True
     return any(isinstance(v, ast.Call) and dotted(v.func) in LOADERS + ("tu.make_loader", "make_loader")
                for v in made)
+
+
+def _next_of_loader(loop, facts: ModuleFacts) -> bool:
+    """Whether the loop's body takes its batches with `next(it)` from a loader: `it =
+    iter(loader)`, or `it = infiniteloop(loader)`, a generator that loops over it."""
+    def loader(name: str) -> bool:
+        return any(isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
+                   and dotted(n.value.func) in LOADERS + ("tu.make_loader", "make_loader")
+                   and any(dotted(t) == name for t in n.targets) for n in ast.walk(facts.tree))
+    taken = {dotted(n.args[0]) for s in loop.body for n in ast.walk(s) if isinstance(n, ast.Call)
+             and dotted(n.func) == "next" and n.args} - {""}
+    return any(isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and n.value.args
+               and any(dotted(t) in taken for t in n.targets)
+               and (dotted(n.value.func) == "iter" or dotted(n.value.func) in facts.functions)
+               and loader(dotted(n.value.args[0])) for n in ast.walk(facts.tree))
 
 
 _SHAPES = {"view", "reshape", "expand", "new_zeros", "new_ones", "new_empty", "new_full"}

@@ -15,6 +15,7 @@ from ..edits import apply
 from ..facts import OPTIMIZER, chains, dotted, moves_to_device, parameter_owners, run_nodes
 from .device import moves_to_cuda
 from .distributed import is_wrapper
+from .holders import constructed_from, held_moves, init_moved, runs_once
 from .rule import Context, Rule, always
 from .steps import blocks
 # Constructors of learning-rate schedules, which read an optimizer's settings, not its
@@ -42,6 +43,7 @@ class Unmoved:
 
     made: dict = field(default_factory=dict)  # optimizer name -> Made
     on_device: set = field(default_factory=set)  # the models moved, by name
+    holds: dict = field(default_factory=dict)  # `w = Wrapper(net)`: w -> {net}
 
 
 def _covers(outer: str, inner: str) -> bool:
@@ -64,6 +66,7 @@ class MovesFirst:
     def __init__(self, ctx: Context):
         self.edits, self.notes, self.facts = ctx.edits, ctx.notes, ctx.facts
         self.inserts: dict = {}  # line -> the moved statements' text, to go before it
+        self.init_moves = ctx.init_moves
 
     def port(self) -> None:
         for block in blocks(self.facts.tree):
@@ -76,11 +79,13 @@ class MovesFirst:
                       for p, _ in self.facts.ancestors(block[0]))
         for i, stmt in enumerate(block):
             moves = [n for n in run_nodes(stmt) if self._moves(n, top)]
-            moved = {dotted(c.func.value) for c in moves} - {""}
+            inits = init_moved(run_nodes(stmt), self.init_moves)  # `Trainer(model=model)`
+            moved = ({dotted(c.func.value) for c in moves} | held_moves(moves, state.holds)
+                     | {model for _, model in inits}) - {""}
             hit = [m for m in state.made.values()
                    if any(_overlap(o, r) for o in m.owners for r in moved)]
-            if hit:
-                self._fix(block, i, hit, moves, top)
+            if hit and not _move_first(self, block, i, hit, inits, top):
+                self._fix(block, i, hit, moves + [c for c, _ in inits], top)
             for m in hit:
                 m.owners = {o for o in m.owners if not any(_covers(r, o) for r in moved)}
                 if not m.owners:
@@ -102,6 +107,8 @@ class MovesFirst:
         DataParallel(model)) is another model; `m = Net().to(dev)` is one on the device."""
         value = getattr(stmt, "value", None)
         reads = chains(stmt)
+        if isinstance(stmt, ast.Assign) and constructed_from(value):
+            state.holds.update({dotted(t): constructed_from(value) for t in stmt.targets})
         for name in {dotted(n) for n in run_nodes(stmt) if isinstance(n, (ast.Name, ast.Attribute))
                      and isinstance(n.ctx, (ast.Store, ast.Del))} - {""}:
             state.made.pop(name, None)
@@ -123,8 +130,9 @@ class MovesFirst:
             self._move_down(block, i, hit)
             return
         for m in hit:
-            code = next(self.edits.source(c) for c in moves
-                        if any(_overlap(dotted(c.func.value), o) for o in m.owners))
+            code = next((self.edits.source(c) for c in moves if isinstance(c.func, ast.Attribute)
+                         and any(_overlap(dotted(c.func.value), o) for o in m.owners)),
+                        self.edits.source(moves[0]))
             self.notes.add(m.line, f"`{m.name}` is made before `{code}` moves its model "
                            f"({why}, so port kept the order): {ORDER_FIX}")
 
@@ -190,6 +198,31 @@ class MovesFirst:
         self.edits.swap(stmt.lineno, f"{names} moved down, after `{code}`: on XLA .to() makes "
                         f"new parameters, and an optimizer made before it would train nothing")
 
+
+
+def _move_first(mover: MovesFirst, block, i, hit, inits, top: bool) -> bool:
+    """A class's call whose `__init__` moves the model (`SimCLR(model=model, ...)`)
+    after the optimizer was made from it: the model moves to the device just before
+    the optimizer is made, where both are statements of one function's block (the
+    class's own move then finds it there)."""
+    models = {model for _, model in inits}
+    if top or not models or not all(runs_once(mover.facts, c, block[i]) for c, _ in inits) or any(
+            m.block is not block or not isinstance(m.stmt, ast.Assign)
+            or not mover.edits.owns_lines(m.stmt) or not m.owners <= models for m in hit):
+        return False
+    first = min((m.stmt for m in hit), key=lambda s: s.lineno)
+    indent = mover.edits.lines[first.lineno - 1][:first.col_offset]
+    at = _comments_above(mover.edits, first, block[block.index(first) - 1].end_lineno + 1
+                         if block.index(first) else 1)
+    owners = sorted(set().union(*(m.owners for m in hit)))
+    mover.inserts.setdefault(at, []).extend(f"{indent}{o}.to(tu.get_device())\n" for o in owners)
+    cls = dotted(next(c for c, model in inits if model in owners).func)
+    names = " and ".join(sorted(f"`{m.name}`" for m in hit))
+    mover.edits.swap(first.lineno, f"{', '.join(f'`{o}.to(tu.get_device())`' for o in owners)} "
+                     f"added before {names} is made: {cls}(...) moves it to the device in its "
+                     f"__init__, after the optimizer took its parameters (on XLA .to() makes "
+                     f"new ones)")
+    return True
 
 
 def _down_blocked(edits, block, i, hit) -> bool:

@@ -30,6 +30,7 @@ class Context:
     scopes: List[ast.AST] = field(default_factory=list)
     depth: int = 0
     memo: dict = field(default_factory=dict)  # what a rule found once for the whole module
+    init_moves: dict = field(default_factory=dict)  # class -> the arguments its __init__ moves
 
     @classmethod
     def of(cls, lines: List[str], facts: ModuleFacts, **kw) -> "Context":

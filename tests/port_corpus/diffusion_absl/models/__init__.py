@@ -1,0 +1,1 @@
+from .denoiser import TinyDenoiser  # noqa: F401
