@@ -254,7 +254,6 @@ def _cells_as_script(notebook_text: str) -> str:
 # model with an EMA copy, an endless generator over a DataLoader and absl's app.run, its
 # model in a local sub-package; a contrastive trainer whose loop is a method of a class in
 # another file; a GPT trained at the top level on batches it samples with torch.randint.
-# A shape waiting for a rule names it in XFAIL_48 (strict: it fails once the rule lands).
 ISSUE_48 = {
     "seg_amp_inline": (["--batch-size", "32"], ["--batch-size", "32"], ["--batch-size", "4"],
                        r"LOSS (\S+)"),
@@ -266,14 +265,6 @@ ISSUE_48 = {
     "gpt_sampled": ({"BATCH_SIZE": "32"}, {"BATCH_SIZE": "32"}, {"BATCH_SIZE": "32"}, r"LOSS (\S+)"),
 }
 ENTRIES = {"multifile": "main.py", "diffusion_absl": "main.py", "contrastive_class": "run.py"}
-XFAIL_48 = {
-    # at 1 core it passes; at 8 the loss (simclr.py's info_nce_loss, a method in a module
-    # without a loader) builds its labels from self.args.batch_size, the per-core batch,
-    # against features of 8x as many rows: port lists the line (loaders.batch-size-shape)
-    # but no rule rewrites it yet; by hand: labels from features.shape[0] // n_views
-    "contrastive_class": "needs a rule that sizes info_nce_loss's labels from the batch (one "
-                         "line by hand at 8 cores: torch.arange(features.shape[0] // n_views))",
-}
 
 # the driver of the shared run: a job that fails prints its error and the next one runs;
 # the absl flags a job defines go with it (the next job's script defines them again)
@@ -361,8 +352,7 @@ def test_issue_34_shapes_run_at_1_and_8_cores_as_ported_and_match_the_cpu_origin
             assert len(mine) == len(reference) and mine == pytest.approx(reference, rel=2e-3, abs=2e-4), (name, tag)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
-    strict=True, reason=XFAIL_48[n])) if n in XFAIL_48 else n for n in ISSUE_48])
+@pytest.mark.parametrize("name", list(ISSUE_48))
 def test_issue_48_shapes_run_at_1_and_8_cores_as_ported_and_match_the_cpu_original(shared_run, name):
     got, want, lines_by_hand, texts, output = shared_run
     assert "tu.run(" in texts[name], name

@@ -525,9 +525,9 @@ def info_nce_loss(self, features):
     return labels.to(features.device)
 ''', '''\
 def info_nce_loss(self, features):
-    labels = torch.cat([torch.arange(self.args.batch_size) for i in range(2)], dim=0)
+    labels = torch.cat([torch.arange(tu.rows_per_step(self.args.batch_size)) for i in range(2)], dim=0)
     return labels.to(features.device)
-''', notes=('loaders.batch-size-shape',)),
+'''),
     Case('entry.absl-app-run', '''\
 from absl import app
 

@@ -5,8 +5,8 @@ from .bf16_weights import bf16_weights
 from .checkpoint import load_state, save, save_state
 from .data import DeviceLoader, make_loader
 from .devices import (all_reduce, average_gradients, get_device, has_accelerator, is_master,
-                      Scaled, master_print, optimizer_step, rank, scale_lr_bs, sync, to_cpu,
-                      world_size)
+                      Scaled, master_print, optimizer_step, rank, rows_per_step, scale_lr_bs,
+                      sync, to_cpu, world_size)
 from .environment import TpuInfo, doctor, setup_tpu
 from .cache import CachedDataset, cache_dataset, open_cache
 from .images import (ImageCsvDataset, ImageFolderDataset, PresizeReport, denormalize, normalize,
@@ -29,6 +29,6 @@ __all__ = [
     "denormalize", "doctor", "fsdp", "gather", "get_device", "has_accelerator",
     "is_master", "load_state", "lr_find", "make_loader", "master_print", "normalize",
     "open_cache", "optimizer_step", "predict", "presize_images", "rank", "report",
-    "run", "save", "save_state", "scale_lr_bs", "setup_tpu", "show_batch", "sync",
+    "rows_per_step", "run", "save", "save_state", "scale_lr_bs", "setup_tpu", "show_batch", "sync",
     "to_cpu", "train_one_cycle", "world_size",
 ]

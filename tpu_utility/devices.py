@@ -182,6 +182,26 @@ def world_size() -> int:
     return current().engine.world_size
 
 
+def rows_per_step(batch_size: int) -> int:
+    """The rows one step of this replica's loop holds, for make_loader's per-core `batch_size`.
+
+    Under the "spmd" engine one program steps every device's rows at once, so a batch holds
+    `batch_size * world_size()` rows; in a replica of its own (or outside `run`) it holds
+    `batch_size`. A loss that builds a shape from the batch size (contrastive labels, an
+    RNN's first hidden state) sizes it with this, where it cannot read the batch's own
+    `x.size(0)`. port writes it in such lines.
+
+    Args:
+        batch_size: the per-core batch size given to `make_loader`.
+
+    Example:
+        >>> import tpu_utility as tu
+        >>> tu.rows_per_step(32)
+        32
+    """
+    return current().engine.per_step_batch(check_int(batch_size, "batch_size", who="rows_per_step"))
+
+
 def rank() -> int:
     """The calling replica's index, from 0 (the master) to the number of replicas - 1.
 

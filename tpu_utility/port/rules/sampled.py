@@ -4,8 +4,9 @@ tu.run every core computes every row of it (engine "spmd": the batch sits whole 
 device; replicas: each samples batch_size rows). The losses are right and the cores do
 the same work, so port names the line and the fix, where a training loop reads no loader.
 And a shape made from the settings' batch size where no batch tensor is in sight (a loss
-building its labels from `self.args.batch_size`) is listed: make_loader's batch size is
-per core, so at cores=8 (SPMD) a batch holds 8 times as many rows."""
+building its labels from `self.args.batch_size`) is sized by `tu.rows_per_step`:
+make_loader's batch size is per core, so at cores=8 (SPMD) a batch holds 8 times as many
+rows."""
 from __future__ import annotations
 
 import ast
@@ -47,18 +48,19 @@ _SHAPES = {"view", "reshape", "expand", "repeat"}
 def _shapes_elsewhere(ctx: Context, tree) -> None:
     """A shape read from the settings' batch size (`torch.arange(self.args.batch_size)`) in
     a module that makes no loader: a loss or a helper the loop calls, which sees none of
-    the batch's tensors, so port cannot name its rows (loaders.batch-shape does, in a loop)."""
+    the batch's tensors, so port cannot use their rows (loaders.batch-shape does, in a
+    loop). The size becomes `tu.rows_per_step(...)`: the same number at cores=1 and in a
+    replica of its own, batch_size x the devices under SPMD, whose batch holds them all."""
     if any(isinstance(n, ast.Call) and dotted(n.func) in LOADERS for n in ast.walk(tree)):
         return
     for call in [n for n in ast.walk(tree) if isinstance(n, ast.Call)
                  and (dotted(n.func) in _MAKERS or method(n) in _SHAPES)]:
-        size = next((a for a in call.args for x in ast.walk(a)
-                     if dotted(x).endswith(".batch_size")), None)
-        if size is not None:
-            ctx.notes.add(call.lineno, f"`{ctx.edits.source(call)}` shapes by the settings' "
-                          f"batch size, which make_loader takes per core: at cores=8 (SPMD) a "
-                          f"batch holds batch_size x 8 rows; take the size from the batch's "
-                          f"own tensors (features.shape[0] // n_views, say)")
+        for size in {x for a in call.args for x in ast.walk(a)
+                     if isinstance(x, ast.Attribute) and x.attr == "batch_size" and dotted(x)}:
+            text = ctx.edits.source(size)
+            ctx.edits.replace(size, f"tu.rows_per_step({text})",
+                              f"{text} -> tu.rows_per_step({text}): make_loader's batch_size is "
+                              f"per core, and at cores=8 (SPMD) a batch holds {text} x 8 rows")
 
 
 PASSES = [
@@ -67,6 +69,7 @@ PASSES = [
          "listed: every core computes all its rows; read a Dataset through tu.make_loader",
          ast.Module, always, _sampled_batches),
     Rule("loaders.batch-size-shape", "a shape made from a settings' `.batch_size` in a module "
-         "that makes no loader (a loss the loop calls) is listed: at cores=8 a batch holds "
-         "batch_size x 8 rows", ast.Module, always, _shapes_elsewhere),
+         "that makes no loader (a loss the loop calls) becomes `tu.rows_per_step(...)`: at "
+         "cores=8 (SPMD) a batch holds batch_size x 8 rows", ast.Module, always,
+         _shapes_elsewhere),
 ]
