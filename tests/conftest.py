@@ -106,8 +106,11 @@ def pytest_configure(config):
     # get the same filter from tests/sitecustomize.py.
     config.addinivalue_line("filterwarnings", r"error::DeprecationWarning:tpu_utility(\.|$)")
     # The heavy benchmark smoke tests prove the benchmark scripts run where their figures
-    # are measured, the development stack; the Kaggle and Colab suites leave them out
-    # (`-m "not dev_stack"` in the README's commands) to stay under 10 minutes on 2 cores.
+    # are measured, the development stack; port's corpus runs (ported scripts trained at 1
+    # and 8 devices) check text that is the same on every stack, while its rules and its
+    # ported expressions inside tu.run (test_port_meaning) run on each. The Kaggle and
+    # Colab suites leave them out (`-m "not dev_stack"` in the README's commands) to stay
+    # under 10 minutes on 2 cores.
     config.addinivalue_line("markers", "dev_stack: run on the development stack's suite only")
     # Python 3.12+ warns on every fork from a process with threads (torch's, here; a
     # notebook kernel's, for users). Forking is how replicas and DataLoader workers start

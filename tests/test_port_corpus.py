@@ -112,6 +112,7 @@ def _run_jobs(tmp_path, jobs, originals, shapes):
     return _losses(ported.stdout, shapes), _losses(cpu.stdout, shapes)
 
 
+@pytest.mark.dev_stack  # see conftest.py: the default stack's suite only
 def test_ported_corpus_runs_at_1_and_8_cores_and_matches_the_cpu_original(tmp_path):
     jobs, originals = [], []
     for name, (orig, one, eight, _) in SHAPES.items():
@@ -143,6 +144,7 @@ def test_ported_corpus_runs_at_1_and_8_cores_and_matches_the_cpu_original(tmp_pa
         assert got[f"{name}:8"] == pytest.approx(want[f"{twin}:cpu"], rel=2e-3, abs=2e-4), name
 
 
+@pytest.mark.dev_stack  # see conftest.py: the default stack's suite only
 def test_a_top_level_script_runs_on_8_cores_as_port_wrote_it(tmp_path):
     """The GAN as a user runs it: `python gan_top_level_tpu.py` (spawned replicas, which
     import the script again), with the checkpoints it writes readable by plain torch."""
@@ -335,6 +337,7 @@ def shared_run(tmp_path_factory):
             ported.stdout + ported.stderr)
 
 
+@pytest.mark.dev_stack  # see conftest.py: the default stack's suite only
 def test_issue_34_and_48_shapes_run_as_ported_and_match_the_cpu_original(shared_run):
     # one test over every shape of the shared run: under xdist, tests of one module that
     # share a module fixture may land on different workers, each running the fixture (the
