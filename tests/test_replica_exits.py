@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import tpu_utility as tu
-from conftest import child_processes, processes, script_env
+from conftest import child_processes, processes, run_python, script_env
 
 
 def _run(fn, cores, *args, **kwargs):
@@ -267,20 +267,17 @@ def test_no_dataloader_worker_outlives_a_stalled_run(tmp_path, engine, cores, lo
     script = tmp_path / "stuck.py"
     script.write_text(textwrap.dedent(STUCK_WORKERS))
     folder = tmp_path / f"workers-{engine}-{cores}-{loader}"
-    # Output to a file: a worker left running would hold a pipe open, and reading it hang.
-    with open(tmp_path / "out.txt", "w") as out:
-        caller = subprocess.Popen([sys.executable, str(script), engine, str(cores), loader, "0"],
-                                  env=script_env(), cwd=tmp_path, stdout=out, stderr=out)
+    # Forked from the zygote, whose child writes its output to files: a worker left
+    # running holds no pipe of ours open.
     try:
-        caller.wait(timeout=240)
+        proc = run_python([sys.executable, str(script), engine, str(cores), loader, "0"],
+                          cwd=tmp_path, timeout=240)
         pids = _worker_pids(folder)
         left = _left(pids, 10)
     finally:  # leave nothing behind, whatever the test found
-        if caller.poll() is None:
-            caller.kill()
         for pid in _left(_worker_pids(folder) if folder.exists() else [], 0):
             os.kill(pid, signal.SIGKILL)
-    output = (tmp_path / "out.txt").read_text()
+    output = proc.stdout + proc.stderr
     assert "RESULT" in output and "waits at" in output, output[-3000:]
     assert len(pids) >= 2 * cores
     assert len(left) == 0, f"{len(left)} of {len(pids)} DataLoader workers left running"
