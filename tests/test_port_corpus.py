@@ -97,19 +97,19 @@ def _losses(stdout, shapes):
     return out
 
 
-def _run_jobs(tmp_path, jobs, originals, shapes):
+def _run_jobs(tmp_path, jobs, originals, shapes, driver_text=DRIVER, timeouts=(400, 120)):
     """The ported jobs in one XLA process and the originals in another: ({job: losses},
-    {job: losses})."""
+    {job: losses}, the XLA process's output)."""
     driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER)
+    driver.write_text(driver_text)
     ported = run_python([sys.executable, str(driver), json.dumps(jobs)], cwd=tmp_path,
-                         timeout=400, env=script_env())
+                         timeout=timeouts[0], env=script_env())
     assert ported.returncode == 0 and "=== end" in ported.stdout, ported.stdout[-3000:] + ported.stderr[-3000:]
     # the originals, in a process without torch_xla: CPU torch as the CUDA script runs there
     cpu = run_process([sys.executable, str(driver), json.dumps(originals)], cwd=tmp_path,
-                      timeout=120, env=script_env())
-    assert cpu.returncode == 0, cpu.stderr[-3000:]
-    return _losses(ported.stdout, shapes), _losses(cpu.stdout, shapes)
+                      timeout=timeouts[1], env=script_env())
+    assert cpu.returncode == 0 and "=== failed" not in cpu.stdout, cpu.stdout[-3000:] + cpu.stderr[-3000:]
+    return _losses(ported.stdout, shapes), _losses(cpu.stdout, shapes), ported.stdout + ported.stderr
 
 
 @pytest.mark.dev_stack  # see conftest.py: the default stack's suite only
@@ -130,7 +130,7 @@ def test_ported_corpus_runs_at_1_and_8_cores_and_matches_the_cpu_original(tmp_pa
         path = tmp_path / f"{name}_tpu_8.py"
         path.write_text(text.replace("cores=8", "cores=8, start_method='fork'"))
         jobs.append([f"{name}:8", str(path), *_split(SHAPES[twin][2])])
-    got, want = _run_jobs(tmp_path, jobs, originals,
+    got, want, _ = _run_jobs(tmp_path, jobs, originals,
                           {**SHAPES, **{name: SHAPES[twin] for name, twin in TWINS.items()}})
     for name in SHAPES:
         reference = want[f"{name}:cpu"]
@@ -325,16 +325,8 @@ def shared_run(tmp_path_factory):
             jobs.append([f"{name}:{tag}", str(path), *_split(args)])
         source = entry if name != "notebook_top_level" else tmp_path / f"{name}.py"
         originals.append([f"{name}:cpu", str(source), *_split(orig)])
-    driver = tmp_path / "driver.py"
-    driver.write_text(ISOLATING_DRIVER)
-    ported = run_python([sys.executable, str(driver), json.dumps(jobs)], cwd=tmp_path,
-                         timeout=500, env=script_env())
-    assert ported.returncode == 0 and "=== end" in ported.stdout, ported.stdout[-3000:] + ported.stderr[-3000:]
-    cpu = run_process([sys.executable, str(driver), json.dumps(originals)], cwd=tmp_path,
-                      timeout=150, env=script_env())
-    assert cpu.returncode == 0 and "=== failed" not in cpu.stdout, cpu.stdout[-3000:] + cpu.stderr[-3000:]
-    return (_losses(ported.stdout, shapes), _losses(cpu.stdout, shapes), lines_by_hand, texts,
-            ported.stdout + ported.stderr)
+    got, want, output = _run_jobs(tmp_path, jobs, originals, shapes, ISOLATING_DRIVER, (500, 150))
+    return got, want, lines_by_hand, texts, output
 
 
 @pytest.mark.dev_stack  # see conftest.py: the default stack's suite only
