@@ -62,6 +62,9 @@ setup(
         "xla": ["torch_xla"],
         "tpu": ["torch_xla[tpu]"],
         "bars": ["fastprogress>=1.0.3"],
+        # tu.plan / TPU_UTILITY_TARGET: the TPU's own compiler (libtpu) through jax's
+        # ahead-of-time compile, on any host; the pair checked (jax 0.10.2 pins libtpu 0.0.42).
+        "plan": ["jax[tpu]==0.10.2"],
         # The test tools, without a stack: combine with one of the stacks.
         "test": TEST,
         "kaggle": KAGGLE,
@@ -69,9 +72,10 @@ setup(
         # The default development stack: torch_xla 2.9 on Python 3.10-3.13, fastprogress's
         # 1.0 line (the images cover 1.1 and none); torchvision for bench_augment's Kaggle
         # pipeline baseline (0.24.0 is torch 2.9.0's); build and twine make and check the
-        # wheel and sdist (.ci/wheel_check); transformers' last 4.x (the images ship 5.x).
+        # wheel and sdist (.ci/wheel_check); transformers' last 4.x (the images ship 5.x);
+        # jax with libtpu for the plan tests (the TPU's compiler, run on this CPU host).
         "dev": TEST + ["torch==2.9.0", "torch_xla==2.9.0", "torchvision==0.24.0",
                        "fastprogress>=1.0.3,<1.1", "build>=1.2", "twine>=5",
-                       "transformers==4.57.6"],
+                       "transformers==4.57.6", "jax[tpu]==0.10.2"],
     },
 )

@@ -127,7 +127,8 @@ HEAVY = ("test_port_corpus.py::test_ported_corpus", "test_finetune_text.py", "te
          "test_recompute.py::test_checkpointing_equals", "test_demo.py::test_demo_small",
          "test_bf16_weights.py::test_bf16_weights_keep", "test_hf.py::test_train_one_cycle_predict",
          "test_hf.py::test_ragged_text", "test_port_corpus.py::test_issue_34_and_48",
-         "test_hf.py::test_the_hf_loop", "test_hf.py::test_report_names", "test_lr_find.py::test_a_sweep")
+         "test_hf.py::test_the_hf_loop", "test_hf.py::test_report_names", "test_lr_find.py::test_a_sweep",
+         "test_plan.py::test_gradient_checkpointing")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -13,22 +13,23 @@ from .images import (ImageCsvDataset, ImageFolderDataset, PresizeReport, denorma
                      presize_images, show_batch)
 from .fsdp import fsdp
 from .functionalization import FunctionalizationCheck, check_functionalization
-from .launch.parent import run
+from .launch.parent import plan, run
 from .launch.preemption import Preempted
 from .launch.results import ReplicasExited
 from .launch.stall import Stalled
+from .planning import Plan
 from .loop import History, LRFindResult, accuracy, gather, lr_find, predict, train_one_cycle
 from .reporting import XlaReport, report
 
 __all__ = [
     "Augment", "Autocast", "CachedDataset", "DeviceLoader", "FunctionalizationCheck",
     "GradScaler", "History", "ImageCsvDataset", "ImageFolderDataset", "LRFindResult",
-    "Preempted", "PresizeReport", "ReplicasExited", "Scaled", "Stalled", "TpuInfo",
+    "Plan", "Preempted", "PresizeReport", "ReplicasExited", "Scaled", "Stalled", "TpuInfo",
     "XlaReport", "accuracy", "all_reduce", "aug_transforms", "autocast",
     "average_gradients", "bf16_weights", "cache_dataset", "check_functionalization",
     "denormalize", "doctor", "fsdp", "gather", "get_device", "has_accelerator",
     "is_master", "load_state", "lr_find", "make_loader", "master_print", "normalize",
-    "open_cache", "optimizer_step", "predict", "presize_images", "rank", "report",
+    "open_cache", "optimizer_step", "plan", "predict", "presize_images", "rank", "report",
     "rows_per_step", "run", "save", "save_state", "scale_lr_bs", "setup_tpu", "show_batch", "sync",
     "to_cpu", "train_one_cycle", "world_size",
 ]

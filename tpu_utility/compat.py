@@ -320,3 +320,53 @@ def register_device_module(name: str, module) -> None:
     asks `torch.xla` where torch_xla did not register it."""
     import torch
     torch._register_device_module(name, module)
+
+
+def pending(tensors: List) -> List:
+    """Those of the XLA `tensors` whose value is a computation not yet run (not data)."""
+    import torch_xla
+    if not tensors:
+        return []
+    need = torch_xla._XLAC._check_tensor_need_materialization(tensors)
+    return [t for t, n in zip(tensors, need) if n]
+
+
+def settle_as_zeros(tensors: List) -> None:
+    """Make each pending tensor data of zeros, its sharding kept, without running what it
+    was pending on: a plan's next step then starts from data, as a trained one would, and
+    nothing large runs on this host (`fill` depends on no earlier value)."""
+    import torch
+    import torch_xla
+    with torch.no_grad():
+        for t in tensors:
+            t.zero_()
+    torch_xla._XLAC._xla_sync_multi(tensors, devices=[], wait=True, sync_xla_data=False)
+
+
+def pending_program(outputs: List) -> tuple:
+    """The program that computes `outputs` (pending XLA tensors), as the step's cut would
+    compile it, without compiling or running it: (HLO text with its `sharding=`
+    annotations, the numbers of its parameters whose buffers the cut would donate, the
+    parameters' tensors in parameter order). torch_xla donates an input that is the data
+    of a tensor the program overwrites (xla_graph_executor.cpp,
+    GetBufferDonorIndexForStepMarker); its HLO dump leaves that out."""
+    import torch_xla
+    text = torch_xla._XLAC._get_xla_tensors_hlo(outputs)
+    ids, inputs = torch_xla._XLAC._get_tensors_xla_device_data_node(outputs, [])
+    overwritten = {int(re.search(r"AliasID: (\d+)", torch_xla._XLAC._get_xla_tensor_debug_info(t)).group(1))
+                   for t in outputs}
+    entry = text[text.index("\nENTRY"):] if "\nENTRY" in text else text
+    shapes = {int(n): tuple(int(d) for d in dims.split(",") if d)
+              for dims, n in re.findall(r"= \w+\[([\d,]*)\]\S* parameter\((\d+)\)", entry)}
+    # Both number the graph's data in the order a post-order walk of the outputs meets it;
+    # should a torch_xla change that, donate nothing (the peak then reads high) rather
+    # than a wrong buffer.
+    same = shapes == {i: tuple(t.shape) for i, t in enumerate(inputs)}
+    donors = [i for i, tid in enumerate(ids) if tid in overwritten] if same else []
+    return text, donors, list(zip(ids, inputs))
+
+
+def tensor_ids(tensors: List) -> List[int]:
+    """torch_xla's ids of XLA `tensors`, as `pending_program` names a program's inputs."""
+    import torch_xla
+    return [torch_xla._XLAC._xla_get_tensor_id(t) for t in tensors]

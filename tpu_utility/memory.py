@@ -12,6 +12,7 @@ The limit is the runtime's (a TPU's HBM per device); XLA:CPU has none, and
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import os
 import re
@@ -43,22 +44,35 @@ class Memory:
     optimizer: int
     peak: Optional[int] = None
     limit: Optional[int] = None
+    compiler: str = ""  # whose compile the peak is: "XLA:CPU" here, "the TPU's" on a TPU
+
 
     @property
     def state(self) -> int:
         return self.parameters + self.gradients + self.optimizer
 
     def __str__(self) -> str:
-        line = (f"memory per device: parameters {_size(self.parameters)}, gradients "
-                f"{_size(self.gradients)}, optimizer state {_size(self.optimizer)}")
+        line = (f"memory per device: parameters {size_text(self.parameters)}, gradients "
+                f"{size_text(self.gradients)}, optimizer state {size_text(self.optimizer)}")
         if self.peak is not None:
-            line += f"; the compiled step's peak {_size(self.peak)}"
+            line += f"; the compiled step's peak {size_text(self.peak)}"
+            if self.compiler:
+                line += f" ({self.compiler} compile)"
         if self.limit is not None:
-            line += f" (of {_size(self.limit)})"
+            line += f" (of {size_text(self.limit)})"
         return line
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
+    """Bytes as a reader takes them in (powers of 1000).
+
+    Example:
+        >>> size_text(1677200000), size_text(512)
+        ('1.68 GB', '512 B')
+
+    Args:
+        n: a number of bytes.
+    """
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
@@ -142,6 +156,16 @@ def device_bytes(tensors) -> int:
     return total
 
 
+def compiler_of(device) -> str:
+    """Whose compiler lays out `device`'s programs, as the memory line names it: XLA:CPU's
+    figures are not a TPU's (docs/measured.md); `tu.plan` gives the TPU's from any host."""
+    if device.type != "xla":
+        return ""
+    import torch_xla.runtime as xr
+    kind = xr.device_type()
+    return "XLA:CPU" if kind == "CPU" else f"the {kind}'s"
+
+
 def limit(device, env=os.environ) -> Optional[int]:
     """The device's memory in bytes: `TPU_UTILITY_DEVICE_MEMORY` where set, else the
     runtime's (None on XLA:CPU)."""
@@ -172,7 +196,8 @@ def measure(opt, device, masters=(), others=(), env=os.environ) -> Memory:
     params = [weight_of.get(id(p), p) for p in params]
     peaks = compiled_peaks()
     return Memory(device_bytes(params), device_bytes(grads), device_bytes(state),
-                  peak=max(peaks) if peaks else None, limit=limit(device, env))
+                  peak=max(peaks) if peaks else None, limit=limit(device, env),
+                  compiler=compiler_of(device))
 
 
 def note(memory: Memory) -> None:
@@ -207,10 +232,10 @@ def check(memory: Memory) -> None:
     state alone exceed the device's memory."""
     if memory.limit is not None and memory.state > memory.limit:
         raise MemoryError(
-            f"this run needs {_size(memory.state)} per device for parameters, gradients and "
-            f"optimizer state ({_size(memory.parameters)} + {_size(memory.gradients)} + "
-            f"{_size(memory.optimizer)}) before any activation, and a device has "
-            f"{_size(memory.limit)}: {_FIX}")
+            f"this run needs {size_text(memory.state)} per device for parameters, gradients and "
+            f"optimizer state ({size_text(memory.parameters)} + {size_text(memory.gradients)} + "
+            f"{size_text(memory.optimizer)}) before any activation, and a device has "
+            f"{size_text(memory.limit)}: {_FIX}")
 
 
 def with_peak(memory: Optional[Memory]) -> Optional[Memory]:
@@ -220,10 +245,10 @@ def with_peak(memory: Optional[Memory]) -> Optional[Memory]:
     peaks = compiled_peaks()
     if not peaks:
         return memory
-    return Memory(memory.parameters, memory.gradients, memory.optimizer, max(peaks), memory.limit)
+    return dataclasses.replace(memory, peak=max(peaks))
 
 
 def peak_hint(memory: Memory) -> str:
     """The sentence for a compiled step whose peak exceeds the device's memory."""
-    return (f"the compiled step needs {_size(memory.peak or 0)} per device at its peak and a "
-            f"device has {_size(memory.limit or 0)}: {_FIX}")
+    return (f"the compiled step needs {size_text(memory.peak or 0)} per device at its peak and a "
+            f"device has {size_text(memory.limit or 0)}: {_FIX}")

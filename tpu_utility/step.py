@@ -144,17 +144,16 @@ class Steps:
                     and t.device == p.device:
                 mark_sharding(t, self._split_ops[id(p)])
 
-    def _measure(self, opt, device) -> None:
-        """After `opt`'s first step is traced and before it runs: its state split as its
-        parameters are, the memory per device measured, and a run whose parameters,
-        gradients and state alone exceed the device refused (`memory.check`)."""
-        if opt in self._measured:
-            return
-        self._measured.add(opt)
+    def split_state(self, opt) -> None:
+        """Annotate `opt`'s state tensors with their parameters' tu.fsdp splits: once after
+        its first step, and again where a plan splits the weights of a running step."""
         if len(self._splits):
             params = [p for p in _params(opt) if p in opt.state]
             for key in {k for p in params for k in opt.state[p]}:
                 self._split_like_parameters([opt.state[p].get(key) for p in params], params)
+
+    def measured(self, opt, device) -> memory.Memory:
+        """`opt`'s parameters, gradients and state, in bytes per device, as they are now."""
         # the loops' models too: weights the optimizer does not hold (a head trained alone)
         # are on the device all the same, with their gradients
         # (a model the optimizer shares no weight with, an earlier fold's, is not this run's)
@@ -162,7 +161,17 @@ class Steps:
         models = [list(m.parameters()) for m in list(self.me.synced_models)]
         others = [p for ps in models if any(id(p) in mine for p in ps) for p in ps
                   if p.device.type == device.type]
-        measured = memory.measure(opt, device, masters=self._masters.get(opt, ()), others=others)
+        return memory.measure(opt, device, masters=self._masters.get(opt, ()), others=others)
+
+    def _measure(self, opt, device) -> None:
+        """After `opt`'s first step is traced and before it runs: its state split as its
+        parameters are, the memory per device measured, and a run whose parameters,
+        gradients and state alone exceed the device refused (`memory.check`)."""
+        if opt in self._measured:
+            return
+        self._measured.add(opt)
+        self.split_state(opt)
+        measured = self.measured(opt, device)
         if self.memory is None:
             self.memory = measured
             memory.note(measured)

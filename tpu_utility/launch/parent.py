@@ -19,7 +19,7 @@ import tempfile
 
 from typing import Any, Callable, Optional, Sequence
 
-from .. import engines, memory, replica
+from .. import engines, memory, planning, replica, tpu_compile
 from . import exits
 from ..compat import functionalization_on, runtime_started
 from ..environment import in_notebook, setup_tpu, xla_version
@@ -86,9 +86,82 @@ def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), 
         >>> tu.run(train_fn, cores=1, start_method="fork")
         tensor([2., 2.])
     """
-    return run_replicas(train_fn, cores, args, engine=engine, start_method=start_method,
-                        timeout=timeout, stall_timeout=stall_timeout,
-                        functionalization=functionalization)
+    options = dict(engine=engine, start_method=start_method, timeout=timeout,
+                   stall_timeout=stall_timeout, functionalization=functionalization)
+    target = planning.from_env()
+    if target is None:
+        return run_replicas(train_fn, cores, args, **options)
+    result = planned_run(train_fn, target, cores, args, planning.TARGET_VAR, **options)
+    print(result, flush=True)
+    if in_notebook():
+        return result
+    # The rest of a script would use a model that was never trained (and may save it).
+    print(f"tpu_utility: planned, not trained ({planning.TARGET_VAR}={target.name}); the "
+          f"script ends here. Unset {planning.TARGET_VAR} to train.", flush=True)
+    raise SystemExit(0)
+
+
+def plan(train_fn: Callable[..., Any], target: str = "v5e-8", cores: Optional[int] = None,
+         args: Sequence[Any] = (), *, start_method: Optional[str] = None,
+         timeout: Optional[float] = None) -> "planning.Plan":
+    """Whether `train_fn`'s step fits `target`, and how fast it could go there, from the
+    TPU's own compiler, on any host (a CPU notebook included); nothing is trained.
+
+    train_fn runs as `run` runs it, until its second optimizer step has been traced (the
+    steady state, optimizer state in place); nothing of its steps runs here. That step is
+    compiled for the target's chips by libtpu (jax's ahead-of-time compile, in a child
+    process), which gives its memory per chip and its FLOPs and bytes, or refuses it in its
+    own words. Where it does not fit, `tu.fsdp` and then gradient checkpointing are applied
+    to the running step, and each is compiled in turn. A script run with
+    TPU_UTILITY_TARGET=v5e-8 set plans the same way at its `run` call. Needs jax and libtpu:
+    `pip install "jax[tpu]==0.10.2"`.
+
+    Example:
+        >>> import tpu_utility as tu
+        >>> print(tu.plan(train_fn, target="v5e-8"))  # doctest: +SKIP
+        tpu_utility plan for TPU v5e-8 (8 chips, 17.18 GB HBM each): ...
+
+    Args:
+        train_fn: the training function `run` would run (a module-level one for spawn).
+        target: the TPU: "v5e-1", "v5e-4", "v5e-8", "v6e-1", "v6e-4", "v6e-8" or "v4-8".
+        cores: 1, or every chip of the target (None: every chip).
+        args: positional arguments for train_fn.
+        start_method: as for `run`.
+        timeout: seconds that bound the whole plan; None: no bound.
+    """
+    tgt = planning.target(target)
+    return planned_run(train_fn, tgt, tgt.chips if cores is None else cores, args, "target",
+                       engine=None, start_method=start_method, timeout=timeout,
+                       stall_timeout=DEFAULT_STALL_S, functionalization=None)
+
+
+def planned_run(train_fn: Callable[..., Any], target: "planning.Target", cores: int,
+                args: Sequence[Any], named: str, **options) -> "planning.Plan":
+    """`run_replicas` with train_fn traced for a plan of `target`: the run's devices as
+    many as the target's chips (virtual ones on a host without a TPU)."""
+    if isinstance(cores, bool) or not isinstance(cores, numbers.Integral):
+        raise ValueError(f"cores must be an int, got {cores!r}")
+    devices = planning.devices_for(target, int(cores), named)
+    why = tpu_compile.available()
+    if why:
+        raise RuntimeError(why)
+    if not xla_version():
+        raise RuntimeError(f"{named}={target.name}: planning traces the step with torch_xla, "
+                           f"which is not installed here: pip install torch_xla (torch 2.9.0 "
+                           f"with torch_xla 2.9.0), or unset {named}")
+    limit = os.environ.get(memory.LIMIT_ENV)  # headroom asked for: the compiler gets no more
+    target = target.with_hbm(memory.parse_size(limit) if limit else None)
+    info = setup_tpu(verbose=False)
+    saved = os.environ.get("CPU_NUM_DEVICES")
+    if not info.has_tpu and devices > 1:  # read when the run's runtime starts
+        os.environ["CPU_NUM_DEVICES"] = str(devices)
+    try:
+        return run_replicas(planning.Planned(train_fn, target, devices), devices, args, **options)
+    finally:
+        if saved is None:
+            os.environ.pop("CPU_NUM_DEVICES", None)
+        else:
+            os.environ["CPU_NUM_DEVICES"] = saved
 
 
 def run_replicas(train_fn: Callable[..., Any], cores: int, args: Sequence[Any], *,
@@ -181,7 +254,10 @@ def run_isolated(fn: Callable, args: tuple, *, start_method: Optional[str], who:
         raise ValueError(f"{who}: {problem}, so it cannot reach the process that runs {what}. "
                          f"Define it at module level (not a lambda or a nested function), or "
                          f"pass start_method='fork'.")
-    return run(fn, cores=1, args=args, start_method=start_method)
+    # Not planned under TPU_UTILITY_TARGET: lr_find's sweep or predict's pass outside run
+    # feeds what the planned run then uses.
+    return run_replicas(fn, 1, args, engine=None, start_method=start_method, timeout=None,
+                        stall_timeout=DEFAULT_STALL_S, functionalization=None)
 
 
 def _check_run_arguments(train_fn, args, start_method, timeout, functionalization) -> tuple:

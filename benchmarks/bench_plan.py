@@ -1,0 +1,91 @@
+"""Benchmark: what the TPU's own compiler says of a step, planned on this CPU host (issue 59).
+
+What it measures
+----------------
+`tu.plan(train_fn, target=...)` for each model and target named, with no TPU: the step is
+traced as `run` traces it (the second optimizer step, AdamW's state in place) and compiled
+by libtpu for the target's chips. Printed per configuration: the compiler's peak per chip,
+FLOPs and bytes a step, the roofline bound on step time and samples/s, and the wall time
+of the plan (tracing and compiling, on this host).
+
+Models (made from configs, nothing downloaded):
+- `quickstart`: the README's quick-start MLP (20-64-4), Adam, 32 rows a core;
+- `finetune_text`: examples/finetune_text.py's BERT (hidden 64, 2 layers), AdamW, 8 rows
+  a core of 64 tokens;
+- `bert-base`: BERT-base's shape (hidden 768, 12 layers, vocabulary 30522), AdamW, 8 rows
+  a core of 512 tokens;
+- `bert-large`: BERT-large's shape (hidden 1024, 24 layers), AdamW, 4 rows a core of 512;
+- a `-fsdp` or `-fsdp-ckpt` suffix (`bert-base-fsdp`, `bert-large-fsdp-ckpt`): the same with
+  `tu.fsdp(model)`, and with gradient checkpointing too.
+
+    python benchmarks/bench_plan.py --models quickstart finetune_text bert-base --targets v5e-8 v6e-1
+"""
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+
+def train(name):
+    import torch
+    import tpu_utility as tu
+    device = tu.get_device()
+    torch.manual_seed(0)
+    if name == "quickstart":
+        model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(),
+                                    torch.nn.Linear(64, 4)).to(device)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        data = torch.utils.data.TensorDataset(torch.randn(2048, 20), torch.randint(0, 4, (2048,)))
+        for x, y in tu.make_loader(data, 32):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            tu.optimizer_step(opt)
+            opt.zero_grad()
+        return None
+    from transformers import BertConfig, BertForSequenceClassification
+    if name == "finetune_text":
+        cfg = BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=128, max_position_embeddings=128, num_labels=2)
+        seq, rows = 64, 8
+    elif name.startswith("bert-large"):  # BERT-large's shape at 512 tokens x 4 rows a chip
+        cfg, seq, rows = BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                                    intermediate_size=4096, num_labels=2), 512, 4
+    else:
+        cfg, seq, rows = BertConfig(num_labels=2), 512, 8
+    model = BertForSequenceClassification(cfg).to(device)
+    if "ckpt" in name:
+        model.gradient_checkpointing_enable()
+    if "fsdp" in name:
+        tu.fsdp(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    g = torch.Generator().manual_seed(1)
+    n = rows * tu.world_size() * 3
+    ids = torch.randint(1000 if cfg.vocab_size > 1000 else 5, cfg.vocab_size, (n, seq), generator=g)
+    data = [{"input_ids": i, "labels": y} for i, y in zip(ids, torch.randint(0, 2, (n,), generator=g))]
+    for batch in tu.make_loader(data, rows, num_workers=0):
+        model(**batch).loss.backward()
+        tu.optimizer_step(opt)
+        opt.zero_grad()
+    return None
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", nargs="+", default=["quickstart", "finetune_text", "bert-base"])
+    p.add_argument("--targets", nargs="+", default=["v5e-8", "v6e-1"])
+    args = p.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import tpu_utility as tu
+    from bench_plan import train as train_fn  # importable by spawned replicas
+    import functools
+    for target in args.targets:
+        for name in args.models:
+            start = time.perf_counter()
+            plan = tu.plan(functools.partial(train_fn, name), target=target)
+            print(f"== {name} on {target}: planned in {time.perf_counter() - start:.0f} s", flush=True)
+            print(plan, flush=True)
+
+
+if __name__ == "__main__":
+    main()
