@@ -210,7 +210,7 @@ class Plan:
                              f"{t.hbm_bandwidth / 1e9:,.0f} GB/s){rate}")
         if not self.fits:
             fix = self.fix
-            lines.append(f"  fix: {fix.config.lstrip('+ ')}" if fix else
+            lines.append(f"  fix: {fix.config[2:].replace(' + ', ' and ')}" if fix else
                          "  no fix tried fits: use a smaller batch or sequence, or a larger TPU")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -261,11 +261,19 @@ class _Capture:
     def __init__(self, tgt: Target, devices: int, me):
         self.target, self.devices, self.me = tgt, devices, me
         self.steps = 0
+        self.first = None  # the optimizer whose steps mark the loop's iterations
         self.compiled: List[Compiled] = []
         self.fixes: Optional[List[Tuple[str, Callable]]] = None
+        self.notes: List[str] = []
         self.config = "as written"
 
     def __call__(self, opt) -> None:
+        # A loop of several optimizers (a GAN's two) takes one iteration from one step of
+        # the first to its next: the others' steps in between are part of the program.
+        if self.first is None:
+            self.first = opt
+        if opt is not self.first:
+            return
         self.steps += 1
         if self.steps > 1:
             self.compiled.append(self._compile(opt))
@@ -273,13 +281,20 @@ class _Capture:
                 self.fixes = _fixes(opt, self.me)
             if self.compiled[-1].fits or not self.fixes:
                 raise _Done
-        outputs = _pending_tensors()
         from .compat import settle_as_zeros
-        settle_as_zeros(outputs)
-        if self.steps > 1:
+        settle_as_zeros(_pending_tensors())
+        while self.steps > 1 and self.fixes:
             label, apply = self.fixes.pop(0)
-            apply()
-            self.config = f"+ {label}"
+            try:
+                apply()
+            except Exception as e:  # the plan so far is kept; the fix is named as not applied
+                self.notes.append(f"{label} could not be applied here ({type(e).__name__}: {e})")
+                continue
+            # cumulative: each fix is tried on top of the ones before it
+            self.config = (f"{self.config} + " if self.config != "as written" else "+ ") + label
+            return
+        if self.steps > 1:
+            raise _Done
 
     def _compile(self, opt) -> Compiled:
         from . import step, tpu_compile
@@ -302,7 +317,7 @@ class _Capture:
                         **{k: out[k] for k in fields if k in out})
 
     def plan(self) -> Plan:
-        notes = []
+        notes = list(self.notes)
         if not self.compiled:
             notes.append(f"train_fn took {self.steps} optimizer step(s) through "
                          f"tu.optimizer_step and a plan needs 2 (the second is the steady "
