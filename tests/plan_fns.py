@@ -82,3 +82,24 @@ def bert(seq=2048, rows=64, steps=4, checkpointing=False, layers=2):
         tu.optimizer_step(opt)
         opt.zero_grad()
     return "trained"
+
+
+def two_models(rows_per_core=128, steps=4):
+    """A loop of two optimizers, as a GAN's: each iteration steps the first model, then the
+    second (IN-HIDDEN-OUT and IN-HIDDEN/2-OUT MLPs, AdamW each)."""
+    device = tu.get_device()
+    torch.manual_seed(0)
+    first = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, OUT)).to(device)
+    second = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN // 2), torch.nn.ReLU(),
+                                 torch.nn.Linear(HIDDEN // 2, OUT)).to(device)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (first, second)]
+    n = rows_per_core * tu.world_size() * steps
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(n, IN, generator=g),
+                                          torch.randint(0, OUT, (n,), generator=g))
+    for x, y in tu.make_loader(data, rows_per_core, num_workers=0):
+        for model, opt in zip((first, second), opts):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            tu.optimizer_step(opt)
+            opt.zero_grad()
+    return "trained"

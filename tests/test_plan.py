@@ -56,6 +56,16 @@ def test_a_step_planned_for_a_v5e_8_has_the_figures_a_hand_count_gives(run_scrip
 
 
 @jax_tests
+def test_a_loop_of_two_optimizers_plans_one_whole_iteration(run_script):
+    r = run_script(_plan_script("tu.plan(plan_fns.two_models, target='v5e-8')"), timeout=300)
+    step, = r.result["steps"]
+    rows = 128  # a chip's
+    # both models' forward, weight gradients and hidden input gradients, by hand
+    matmuls = sum(2 * rows * (IN * h + h * OUT) * 2 + 2 * rows * h * OUT for h in (HIDDEN, HIDDEN // 2))
+    assert matmuls <= step["flops"] <= 1.2 * matmuls
+
+
+@jax_tests
 def test_too_big_is_refused_in_the_compilers_words_and_the_fix_is_compiled(run_script):
     # A chip capped at 20 MiB (TPU_UTILITY_DEVICE_MEMORY, as a user leaves headroom): the
     # replicated MLP's 34 MB of weights, gradients and moments do not fit; split 8 ways, they do.

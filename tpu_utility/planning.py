@@ -244,36 +244,57 @@ class Planned:
         os.environ.pop(LIMIT_ENV, None)
         me = current()
         capture = _Capture(self.target, self.devices, me)
-        me.on_step = capture
+        me.on_step, me.on_cut = capture.stepped, capture.cut
         try:
             self.train_fn(*args)
         except _Done:
             pass
         finally:
-            me.on_step = None
+            me.on_step = me.on_cut = None
         return capture.plan()
 
 
 class _Capture:
-    """Called after each optimizer step (`Replica.on_step`): settles the first, compiles
-    the later ones, applies the next fix while the step does not fit."""
+    """At each step's end: settles the first, compiles the later ones, applies the next fix
+    while the step does not fit.
+
+    A step ends at each step of the loop's first optimizer, so that what the loop reads
+    after it (`loss.item()`) is settled data, not a program run here. A loop of several
+    optimizers (a GAN's) is seen at the first step of another: from then on a step ends
+    where the run cuts its graph, before each batch of a make_loader feed
+    (`Replica.on_cut`), or else at the first optimizer's next step, so that the program
+    planned holds every optimizer's step, as the run's does."""
 
     def __init__(self, tgt: Target, devices: int, me):
         self.target, self.devices, self.me = tgt, devices, me
         self.steps = 0
-        self.first = None  # the optimizer whose steps mark the loop's iterations
+        self.first = None  # the first optimizer stepped
+        self.several = False  # another optimizer steps in the same loop
+        self.fed = False  # a make_loader feed cuts this loop's steps
+        self.since_cut = False  # an optimizer stepped since the last step's end
         self.compiled: List[Compiled] = []
         self.fixes: Optional[List[Tuple[str, Callable]]] = None
         self.notes: List[str] = []
         self.config = "as written"
 
-    def __call__(self, opt) -> None:
-        # A loop of several optimizers (a GAN's two) takes one iteration from one step of
-        # the first to its next: the others' steps in between are part of the program.
+    def stepped(self, opt) -> None:
         if self.first is None:
             self.first = opt
+        self.since_cut = True
         if opt is not self.first:
+            if not self.several:  # what was counted held one optimizer's step: count anew
+                self.several, self.steps = True, 0
             return
+        if not (self.several and self.fed):
+            self._end_step(opt)
+
+    def cut(self) -> None:
+        self.fed = True
+        if self.several and self.since_cut:
+            self._end_step(self.first)
+
+    def _end_step(self, opt) -> None:
+        self.since_cut = False
         self.steps += 1
         if self.steps > 1:
             self.compiled.append(self._compile(opt))
@@ -312,7 +333,7 @@ class _Capture:
         self.me.beat()
         fields = ("peak", "argument", "output", "alias", "temp", "code", "flops",
                   "bytes_accessed", "error")
-        return Compiled(self.config, mem.parameters, mem.gradients, mem.optimizer,
+        return Compiled(self.config, mem.parameters, _gradient_bytes(opt, self.me), mem.optimizer,
                         rows=_rows(batch),
                         **{k: out[k] for k in fields if k in out})
 
@@ -326,6 +347,16 @@ class _Capture:
             notes.append(f"train_fn ended before the remaining fixes were tried: "
                          f"{', '.join(label for label, _ in self.fixes)}")
         return Plan(self.target, self.devices, tuple(self.compiled), tuple(notes))
+
+
+def _gradient_bytes(opt, me) -> int:
+    """Bytes per device of `opt`'s gradients while its step runs (at the cut a loop's
+    `zero_grad` may have freed them), each a bfloat16 weight's where it has a float32 copy."""
+    from . import step
+    from .memory import device_bytes
+    weight_of = {id(m): w for m, w in step.of(me).masters_of(opt)}
+    return device_bytes([weight_of.get(id(p), p) for g in opt.param_groups for p in g["params"]
+                         if p.requires_grad])
 
 
 def _rows(batch: list) -> Optional[int]:

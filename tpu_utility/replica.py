@@ -4,7 +4,8 @@ A replica is a record: its engine (the backend: device, feed, collectives), the
 heartbeat run's stall watch reads, the stop board its preemption agrees on, whether its
 random streams were moved apart, the weak sets of what it already made identical across
 replicas, the lines that read the device (`reads`), and one optional hook called after
-each optimizer step. `run` makes one per replica and makes it current (`activate`, the
+each optimizer step and one at each step cut of a make_loader feed (`tu.plan`'s). `run`
+makes one per replica and makes it current (`activate`, the
 only writer of the one ContextVar); outside `run` each process has one of its own. What
 is built on it lives elsewhere: the optimizer step over replicas in step.py,
 train_one_cycle's running loss in loop/, check_functionalization's step count in
@@ -56,6 +57,7 @@ class Replica:
         self.synced_models: "weakref.WeakSet" = weakref.WeakSet()  # sync_module's: the loops' models
         self.reads = ReadWatch()  # the lines that read the device in the second step
         self.on_step: Optional[Callable[[Any], None]] = None  # called with each stepped optimizer
+        self.on_cut: Optional[Callable[[], None]] = None  # called at each make_loader step cut
 
     @property
     def owns_host_rng(self) -> bool:

@@ -68,6 +68,8 @@ class ReplicaLoader:
             while True:
                 # The cut the feed makes before a batch, made here so that the clock
                 # below times the wait for the batch alone, never the step's compile or run.
+                if self.replica.on_cut is not None:  # a plan takes the step here, unrun
+                    self.replica.on_cut()
                 self.engine.cut_step()
                 meter.ask()
                 batch = next(batches, _END)
