@@ -128,7 +128,7 @@ HEAVY = ("test_port_corpus.py::test_ported_corpus", "test_finetune_text.py", "te
          "test_bf16_weights.py::test_bf16_weights_keep", "test_hf.py::test_train_one_cycle_predict",
          "test_hf.py::test_ragged_text", "test_port_corpus.py::test_issue_34_and_48",
          "test_hf.py::test_the_hf_loop", "test_hf.py::test_report_names", "test_lr_find.py::test_a_sweep",
-         "test_plan.py::test_gradient_checkpointing")
+         "test_plan.py::test_gradient_checkpointing_is")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,4 +1,5 @@
-"""The parent's run: `run(train_fn, cores=8)` on one device, on every device, or without XLA.
+"""The parent's run: `run(train_fn, cores=8)` on one device, on every device, or without XLA;
+and `plan(train_fn, target=...)`, the same run traced for a TPU's compiler (planning.py).
 
 `run` asks the engines which one runs `cores` on this host (engines/__init__.py lists
 them), starts that engine's child processes, and brings back the master replica's
@@ -119,7 +120,7 @@ def plan(train_fn: Callable[..., Any], target: str = "v5e-8", cores: Optional[in
     Example:
         >>> import tpu_utility as tu
         >>> print(tu.plan(train_fn, target="v5e-8"))  # doctest: +SKIP
-        tpu_utility plan for TPU v5e-8 (8 chips, 17.18 GB HBM each): ...
+        tpu_utility plan for TPU v5e-8 (8 chips, 16 GiB HBM each): ...
 
     Args:
         train_fn: the training function `run` would run (a module-level one for spawn).
