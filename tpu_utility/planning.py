@@ -9,6 +9,8 @@ would, with the engine's shardings, and traces its optimizer steps without runni
 - the second step, the steady state with the optimizer's state in place, is the program
   planned: everything its cut would compute, with the buffers it would donate, handed to
   libtpu's compiler for the target's chips (tpu_compile.py, in a child process);
+- a step ends at the first optimizer's step, or, in a loop of several optimizers, where
+  the run cuts its graph (`_Capture`);
 - where it does not fit, the fixes are applied to the running step one by one, each
   traced in the next step and compiled in turn: `tu.fsdp` on the model (more than one
   chip), then gradient checkpointing (a model that has `gradient_checkpointing_enable`).
@@ -296,6 +298,10 @@ class _Capture:
     def _end_step(self, opt) -> None:
         self.since_cut = False
         self.steps += 1
+        if self.steps > 1 and not _pending_tensors():
+            self.notes.append("the step had already run when it ended (a tu.sync() or "
+                              "torch_xla.sync() inside it): nothing was left to plan")
+            raise _Done
         if self.steps > 1:
             self.compiled.append(self._compile(opt))
             if self.fixes is None:
@@ -339,7 +345,7 @@ class _Capture:
 
     def plan(self) -> Plan:
         notes = list(self.notes)
-        if not self.compiled:
+        if not self.compiled and not notes:
             notes.append(f"train_fn took {self.steps} optimizer step(s) through "
                          f"tu.optimizer_step and a plan needs 2 (the second is the steady "
                          f"state): let it run at least 2")
