@@ -15,6 +15,9 @@ Models (made from configs, nothing downloaded):
 - `bert-base`: BERT-base's shape (hidden 768, 12 layers, vocabulary 30522), AdamW, 8 rows
   a core of 512 tokens;
 - `bert-large`: BERT-large's shape (hidden 1024, 24 layers), AdamW, 4 rows a core of 512;
+- `llama-<layers>`: a Llama shape (hidden 4096, MLP 11008, 32 heads, vocabulary 32000;
+  32 layers is 6.74B parameters), made on the device (the host never holds its weights),
+  causal-LM loss, AdamW, 4 rows a chip of 512 tokens;
 - a `-fsdp` or `-fsdp-ckpt` suffix (`bert-base-fsdp`, `bert-large-fsdp-ckpt`): the same with
   `tu.fsdp(model)`, and with gradient checkpointing too.
 
@@ -43,6 +46,8 @@ def train(name):
             tu.optimizer_step(opt)
             opt.zero_grad()
         return None
+    if name.startswith("llama"):
+        return _llama(name)
     from transformers import BertConfig, BertForSequenceClassification
     if name == "finetune_text":
         cfg = BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -64,6 +69,32 @@ def train(name):
     ids = torch.randint(1000 if cfg.vocab_size > 1000 else 5, cfg.vocab_size, (n, seq), generator=g)
     data = [{"input_ids": i, "labels": y} for i, y in zip(ids, torch.randint(0, 2, (n,), generator=g))]
     for batch in tu.make_loader(data, rows, num_workers=0):
+        model(**batch).loss.backward()
+        tu.optimizer_step(opt)
+        opt.zero_grad()
+    return None
+
+
+def _llama(name):
+    import torch
+    import tpu_utility as tu
+    from transformers import LlamaConfig, LlamaForCausalLM
+    device = tu.get_device()
+    layers = int(name.split("-")[1])
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=layers,
+                      num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+                      max_position_embeddings=512, attn_implementation="eager")
+    with torch.device(device):  # its initial weights a computation the plan never runs
+        model = LlamaForCausalLM(cfg)
+    if "ckpt" in name:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if "fsdp" in name:
+        tu.fsdp(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    seq, rows = 512, 4
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (rows * tu.world_size() * 3, seq), generator=g)
+    for batch in tu.make_loader([{"input_ids": i, "labels": i} for i in ids], rows, num_workers=0):
         model(**batch).loss.backward()
         tu.optimizer_step(opt)
         opt.zero_grad()

@@ -103,3 +103,20 @@ def two_models(rows_per_core=128, steps=4):
             tu.optimizer_step(opt)
             opt.zero_grad()
     return "trained"
+
+
+def wide_on_device(width=16384, rows_per_core=8, steps=3):
+    """Two width x width layers (537M parameters: 8.6 GB of weights, gradients and AdamW
+    moments) made on the device, as a model too big for the host is: their initial values
+    are a computation a plan never runs."""
+    device = tu.get_device()
+    model = torch.nn.Sequential(torch.nn.Linear(width, width, device=device), torch.nn.ReLU(),
+                                torch.nn.Linear(width, width, device=device))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    n = rows_per_core * tu.world_size() * steps
+    data = torch.utils.data.TensorDataset(torch.randn(n, width))
+    for x, in tu.make_loader(data, rows_per_core, num_workers=0):
+        model(x).pow(2).mean().backward()
+        tu.optimizer_step(opt)
+        opt.zero_grad()
+    return "planned"

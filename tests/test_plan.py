@@ -121,6 +121,34 @@ def test_gradient_checkpointing_is_tried_as_a_fix_and_fits_where_the_step_did_no
 
 
 @jax_tests
+def test_a_model_bigger_than_the_host_plans_without_holding_its_weights(run_script):
+    # 537M parameters made on the device: weights, gradients and AdamW moments are 8.6 GB,
+    # which the plan's two steps settled as zeros held in this host's memory (the code
+    # before placeholders was killed for host memory here, at 23.8 GB). Placeholders hold
+    # no buffer: the process stays near torch's own size.
+    r = run_script("""
+        import json, resource
+        import tpu_utility as tu, plan_fns
+
+        if __name__ == "__main__":
+            plan = tu.plan(plan_fns.wide_on_device, target="v5e-8")
+            rss = max(resource.getrusage(w).ru_maxrss
+                      for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) * 1024
+            s = plan.steps[0]
+            print("RESULT " + json.dumps({"rss": rss, **{k: getattr(s, k) for k in (
+                "parameters", "gradients", "optimizer", "peak", "argument", "error")}}))
+    """, timeout=600)
+    width = 16384
+    weights = 2 * (width * width + width) * 4  # by hand: two layers, float32, whole on each chip
+    out = r.result
+    assert out["error"] is None
+    assert (out["parameters"], out["gradients"], out["optimizer"]) == (weights, weights, 2 * weights)
+    assert out["argument"] >= 3 * weights  # the weights and both moments come in
+    assert out["peak"] >= 4 * weights  # and the gradients are made
+    assert out["rss"] < 3 * 2 ** 30  # of the 8.6 GB the state would take
+
+
+@jax_tests
 def test_a_script_run_with_TPU_UTILITY_TARGET_plans_instead_of_training_and_ends(run_script):
     r = run_script("""
         import torch, tpu_utility as tu, plan_fns

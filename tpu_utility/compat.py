@@ -12,7 +12,8 @@ import importlib.util
 import os
 import re
 import sys
-from typing import Callable, List, Optional
+import weakref
+from typing import Callable, Dict, List, Optional
 
 
 def runtime_started() -> bool:
@@ -271,7 +272,19 @@ def call_lowered(name: str, lowered: tuple, inputs: List) -> List:
 def sharded(t) -> bool:
     """Whether XLA tensor `t` is split over SPMD devices (not whole on each)."""
     import torch_xla
+    kept = _kept(t)
+    if kept is not None:
+        return kept[1].startswith("{devices=")
     return torch_xla._XLAC._get_xla_sharding_type(t) in (3, 5)  # TILED, PARTIAL
+
+
+def sharding_spec(t) -> str:
+    """XLA tensor `t`'s sharding as HLO writes it ("" where it has none); a plan's
+    placeholder's is the one kept for it (`settle`), and stays its own when it is updated
+    (torch_xla's functionalization gives an updated tensor a new id, unsharded here)."""
+    import torch_xla
+    kept = _kept(t)
+    return kept[1] if kept is not None else torch_xla._XLAC._get_xla_sharding_spec(t)
 
 
 def device_shape(t) -> tuple:
@@ -279,9 +292,7 @@ def device_shape(t) -> tuple:
     SPMD devices (its sharding's tile counts, rounded up as XLA pads), else its shape."""
     if t.device.type != "xla":
         return tuple(t.shape)
-    import torch_xla
-    spec = torch_xla._XLAC._get_xla_sharding_spec(t)
-    tiles = re.match(r"\{devices=\[([\d,]+)\]", spec)
+    tiles = re.match(r"\{devices=\[([\d,]+)\]", sharding_spec(t))
     if not tiles:
         return tuple(t.shape)
     counts = [int(n) for n in tiles.group(1).split(",")]
@@ -290,8 +301,19 @@ def device_shape(t) -> tuple:
 
 def mark_sharding(t, op_sharding) -> None:
     """Annotate `t` (data or a pending result) with `op_sharding` (`Mesh.get_op_sharding`):
-    the call `xs.mark_sharding` ends in, without rebuilding the sharding each time."""
+    the call `xs.mark_sharding` ends in, without rebuilding the sharding each time. A
+    plan's placeholder (no buffer to split) has the sharding kept for it instead."""
+    import torch
     import torch_xla
+    kept = _kept(t)
+    if kept is not None and not pending([t]):
+        # the sharding as torch_xla writes it, read off a pending tensor of t's shape, never run
+        probe = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+        torch_xla._XLAC._xla_mark_sharding(probe, op_sharding)
+        kept[1] = torch_xla._XLAC._get_xla_sharding_spec(probe)
+        return
+    if kept is not None:  # a pending value carries its own sharding from here
+        _PLACEHOLDERS.pop(id(t), None)
     torch_xla._XLAC._xla_mark_sharding(t, op_sharding)
 
 
@@ -331,16 +353,54 @@ def pending(tensors: List) -> List:
     return [t for t, n in zip(tensors, need) if n]
 
 
-def settle_as_zeros(tensors: List) -> None:
-    """Make each pending tensor data of zeros, its sharding kept, without running what it
-    was pending on: a plan's next step then starts from data, as a trained one would, and
-    nothing large runs on this host (`fill` depends on no earlier value)."""
+# What a plan made placeholders of, by the tensor's Python id: [a weak reference to it,
+# the sharding its data would have ("" for none), torch_xla's id of the placeholder's
+# data, as a program's inputs name it]. Only `settle`, `mark_sharding` and
+# `forget_placeholders` change it.
+_PLACEHOLDERS: Dict[int, list] = {}
+PLACEHOLDER_BYTES = 2 ** 20  # smaller tensors are settled as zeros a loop can read
+
+
+def _kept(t) -> Optional[list]:
+    if not _PLACEHOLDERS:
+        return None
+    kept = _PLACEHOLDERS.get(id(t))
+    return kept if kept is not None and kept[0]() is t else None
+
+
+def settle(tensors: List) -> None:
+    """Make each pending tensor data without running what it was pending on, its sharding
+    kept: a plan's next step then starts from data, as a trained one would, and nothing of
+    this step runs on this host, however large.
+
+    A tensor of PLACEHOLDER_BYTES or more becomes a placeholder: data with no buffer, so
+    this host holds none of a large model's weights or optimizer state (reading one aborts
+    the process, as torch_xla's placeholders do); its sharding is kept here for the
+    program's parameters (`pending_program`). Smaller ones become zeros (`fill` depends on
+    no earlier value): a loop's `loss.item()` reads 0.0."""
     import torch
     import torch_xla
+    from torch_xla.core.xla_builder import Op, mkshape
+    small = []
+    for t in tensors:
+        if t.numel() * t.element_size() < PLACEHOLDER_BYTES or t._is_view():
+            small.append(t)
+            continue
+        spec = sharding_spec(t)
+        shape = mkshape(Op.from_torch_type(t.dtype), tuple(t.shape))
+        with torch.no_grad():
+            t.data = torch_xla._XLAC._xla_create_placeholder_tensor(shape.shape)
+        _PLACEHOLDERS[id(t)] = [weakref.ref(t), spec, torch_xla._XLAC._xla_get_tensor_id(t)]
     with torch.no_grad():
-        for t in tensors:
+        for t in small:
             t.zero_()
-    torch_xla._XLAC._xla_sync_multi(tensors, devices=[], wait=True, sync_xla_data=False)
+    if small:
+        torch_xla._XLAC._xla_sync_multi(small, devices=[], wait=True, sync_xla_data=False)
+
+
+def forget_placeholders() -> None:
+    """End a plan: the shardings kept for its placeholders are dropped."""
+    _PLACEHOLDERS.clear()
 
 
 def pending_program(outputs: List) -> tuple:
@@ -351,6 +411,9 @@ def pending_program(outputs: List) -> tuple:
     of a tensor the program overwrites (xla_graph_executor.cpp,
     GetBufferDonorIndexForStepMarker); its HLO dump leaves that out."""
     import torch_xla
+    # Lowering while an earlier sync's program still runs can read an output not yet
+    # assigned (a segfault, seen on 2.8 and 2.9): wait for it.
+    torch_xla._XLAC._xla_wait_device_ops(devices=[])
     text = torch_xla._XLAC._get_xla_tensors_hlo(outputs)
     ids, inputs = torch_xla._XLAC._get_tensors_xla_device_data_node(outputs, [])
     overwritten = {int(re.search(r"AliasID: (\d+)", torch_xla._XLAC._get_xla_tensor_debug_info(t)).group(1))
@@ -363,7 +426,21 @@ def pending_program(outputs: List) -> tuple:
     # than a wrong buffer.
     same = shapes == {i: tuple(t.shape) for i, t in enumerate(inputs)}
     donors = [i for i, tid in enumerate(ids) if tid in overwritten] if same else []
+    # a placeholder's data has no sharding: its parameter is annotated with the one kept
+    kept = {data: spec for ref, spec, data in _PLACEHOLDERS.values() if ref() is not None}
+    for i, tid in enumerate(ids):
+        if tid in kept:
+            text = _annotate_parameter(text, i, kept[tid] or "{replicated}")
     return text, donors, list(zip(ids, inputs))
+
+
+def _annotate_parameter(text: str, number: int, spec: str) -> str:
+    """HLO `text` with its entry's parameter `number` annotated `sharding=spec`."""
+    line = re.compile(r"^(\s*%\S+ = \S+ parameter\(" + str(number) + r"\))(, sharding=\{[^}]*\})?",
+                      re.MULTILINE)
+    start = text.index("\nENTRY") if "\nENTRY" in text else 0
+    entry, count = line.subn(lambda m: f"{m.group(1)}, sharding={spec}", text[start:], count=1)
+    return text[:start] + entry if count else text
 
 
 def tensor_ids(tensors: List) -> List[int]:

@@ -3,9 +3,10 @@ TPU's own compiler, tells whether it fits and how fast it could go.
 
 `TPU_UTILITY_TARGET=v5e-8` (or `tu.plan(train_fn, target="v5e-8")`) runs train_fn as `run`
 would, with the engine's shardings, and traces its optimizer steps without running them:
-- the first step is traced, then every tensor it left pending is made data of zeros, so
-  nothing of it runs on this host however large it is (a `loss.item()` after the step
-  reads 0.0);
+- the first step is traced, then every tensor it left pending is made data without
+  running it (`compat.settle`): a large one a placeholder with no buffer, so this host
+  holds no copy of a large model's weights or optimizer state, a small one zeros (a
+  `loss.item()` after the step reads 0.0);
 - the second step, the steady state with the optimizer's state in place, is the program
   planned: everything its cut would compute, with the buffers it would donate, handed to
   libtpu's compiler for the target's chips (tpu_compile.py, in a child process);
@@ -253,6 +254,8 @@ class Planned:
             pass
         finally:
             me.on_step = me.on_cut = None
+            from .compat import forget_placeholders
+            forget_placeholders()
         return capture.plan()
 
 
@@ -291,9 +294,13 @@ class _Capture:
             self._end_step(opt)
 
     def cut(self) -> None:
+        from .compat import settle
         self.fed = True
         if self.several and self.since_cut:
             self._end_step(self.first)
+        # What the loop left pending between steps (a model made on the device, a running
+        # sum) is settled, not run by the cut: nothing of it would be planned.
+        settle(_pending_tensors())
 
     def _end_step(self, opt) -> None:
         self.since_cut = False
@@ -308,8 +315,8 @@ class _Capture:
                 self.fixes = _fixes(opt, self.me)
             if self.compiled[-1].fits or not self.fixes:
                 raise _Done
-        from .compat import settle_as_zeros
-        settle_as_zeros(_pending_tensors())
+        from .compat import settle
+        settle(_pending_tensors())
         while self.steps > 1 and self.fixes:
             label, apply = self.fixes.pop(0)
             try:
