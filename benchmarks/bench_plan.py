@@ -19,9 +19,17 @@ Models (made from configs, nothing downloaded):
   32 layers is 6.74B parameters), made on the device (the host never holds its weights),
   causal-LM loss, AdamW, 4 rows a chip of 512 tokens;
 - a `-fsdp` or `-fsdp-ckpt` suffix (`bert-base-fsdp`, `bert-large-fsdp-ckpt`): the same with
-  `tu.fsdp(model)`, and with gradient checkpointing too.
+  `tu.fsdp(model)`, and with gradient checkpointing too; `-bf16` (Llama): `tu.bf16_weights`.
 
     python benchmarks/bench_plan.py --models quickstart finetune_text bert-base --targets v5e-8 v6e-1
+
+`--capacity` finds, for each target, the largest Llama (in layers) whose full AdamW step
+the compiler fits, and the smallest it refuses, each way (replicated, `tu.fsdp`, + gradient
+checkpointing, + `tu.bf16_weights`): the step as written compiled at 2 and 4 layers, the
+boundary guessed from the line through them, then walked one layer at a time until a
+layer count that fits sits next to one refused. One JSON line per compile.
+
+    python benchmarks/bench_plan.py --capacity --targets v5e-8 v6e-8
 """
 import argparse
 import os
@@ -91,6 +99,8 @@ def _llama(name):
     if "fsdp" in name:
         tu.fsdp(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    if "bf16" in name:
+        tu.bf16_weights(model, opt)
     seq, rows = 512, 4
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (rows * tu.world_size() * 3, seq), generator=g)
@@ -101,15 +111,67 @@ def _llama(name):
     return None
 
 
+LLAMA_LAYER = 4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096  # parameters a layer
+LLAMA_REST = 2 * 32000 * 4096 + 4096  # embeddings, head, final norm
+
+
+def capacity(target, ways=("", "-fsdp", "-fsdp-ckpt", "-fsdp-ckpt-bf16")):
+    """The largest Llama, in layers, that the compiler fits on `target` each way, and the
+    smallest it refuses."""
+    import functools
+    import json
+    import tpu_utility as tu
+    from bench_plan import train as train_fn
+
+    for way in ways:
+        seen = {}
+
+        def verdict(layers):
+            if layers not in seen:
+                start = time.perf_counter()
+                s = tu.plan(functools.partial(train_fn, f"llama-{layers}{way}"), target=target,
+                            fixes=False).steps[0]
+                seen[layers] = s
+                print(json.dumps({"target": target, "way": way or "-replicated", "layers": layers,
+                                  "parameters": layers * LLAMA_LAYER + LLAMA_REST,
+                                  "fits": s.fits, "peak": s.peak, "flops": s.flops,
+                                  "error": s.error and s.error[:160],
+                                  "seconds": round(time.perf_counter() - start)}), flush=True)
+            return seen[layers].fits
+
+        if not verdict(1):
+            print(json.dumps({"target": target, "way": way, "largest": 0, "refused": 1}), flush=True)
+            continue
+        if verdict(2) and verdict(4):
+            per_layer = (seen[4].peak - seen[2].peak) / 2
+            base = seen[2].peak - 2 * per_layer
+            capacity = tu.planning.TARGETS[target].hbm * 0.96  # the compiler keeps some back
+            guess = max(4, int((capacity - base) / per_layer))
+        else:
+            guess = 1
+        while verdict(guess + 1):
+            guess += 1
+        while not verdict(guess):
+            guess -= 1
+        print(json.dumps({"target": target, "way": way or "-replicated", "largest": guess,
+                          "refused": guess + 1,
+                          "parameters": guess * LLAMA_LAYER + LLAMA_REST}), flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=["quickstart", "finetune_text", "bert-base"])
     p.add_argument("--targets", nargs="+", default=["v5e-8", "v6e-1"])
+    p.add_argument("--capacity", action="store_true")
     args = p.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import tpu_utility as tu
     from bench_plan import train as train_fn  # importable by spawned replicas
     import functools
+    if args.capacity:
+        for target in args.targets:
+            capacity(target)
+        return
     for target in args.targets:
         for name in args.models:
             start = time.perf_counter()

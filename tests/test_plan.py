@@ -136,7 +136,8 @@ def test_a_model_bigger_than_the_host_plans_without_holding_its_weights(run_scri
                       for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) * 1024
             s = plan.steps[0]
             print("RESULT " + json.dumps({"rss": rss, **{k: getattr(s, k) for k in (
-                "parameters", "gradients", "optimizer", "peak", "argument", "error")}}))
+                "parameters", "gradients", "optimizer", "peak", "argument", "output", "alias",
+                "rows", "error")}}))
     """, timeout=600)
     width = 16384
     weights = 2 * (width * width + width) * 4  # by hand: two layers, float32, whole on each chip
@@ -144,7 +145,13 @@ def test_a_model_bigger_than_the_host_plans_without_holding_its_weights(run_scri
     assert out["error"] is None
     assert (out["parameters"], out["gradients"], out["optimizer"]) == (weights, weights, 2 * weights)
     assert out["argument"] >= 3 * weights  # the weights and both moments come in
-    assert out["peak"] >= 4 * weights  # and the gradients are made
+    # and a layer's gradient at least is made (the compiler updates the second layer
+    # before it makes the first's gradient, so both need not be alive at once)
+    assert out["peak"] >= 3.5 * weights
+    # The run's cut comes after the loop's zero_grad(): the gradients are not outputs, and
+    # every output (weights, moments, the loss) updates an input's buffer in place.
+    assert out["output"] - out["alias"] < 2 ** 20
+    assert out["rows"] == 8 * 8  # the global batch, not a weight's leading size
     assert out["rss"] < 3 * 2 ** 30  # of the 8.6 GB the state would take
 
 

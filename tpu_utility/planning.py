@@ -234,10 +234,11 @@ class Planned:
         train_fn: the user's function.
         target: the TPU planned for.
         devices: its chips this run plans over (1, or all).
+        fixes: try the fixes where the step does not fit.
     """
 
-    def __init__(self, train_fn: Callable[..., Any], tgt: Target, devices: int):
-        self.train_fn, self.target, self.devices = train_fn, tgt, devices
+    def __init__(self, train_fn: Callable[..., Any], tgt: Target, devices: int, fixes: bool = True):
+        self.train_fn, self.target, self.devices, self.fixes = train_fn, tgt, devices, fixes
 
     def __call__(self, *args) -> Plan:
         from .memory import LIMIT_ENV
@@ -247,6 +248,8 @@ class Planned:
         os.environ.pop(LIMIT_ENV, None)
         me = current()
         capture = _Capture(self.target, self.devices, me)
+        if not self.fixes:
+            capture.fixes = []
         me.on_step, me.on_cut = capture.stepped, capture.cut
         try:
             self.train_fn(*args)
@@ -281,6 +284,10 @@ class _Capture:
         self.fixes: Optional[List[Tuple[str, Callable]]] = None
         self.notes: List[str] = []
         self.config = "as written"
+        self.held: set = set()  # torch_xla's ids of what the step kept, as the next step starts
+        # Whether gradients outlive the run's cut (a loop that zeroes them before backward,
+        # or not to None): None until a cut after a step shows it.
+        self.grads_kept: Optional[bool] = None
 
     def stepped(self, opt) -> None:
         if self.first is None:
@@ -296,6 +303,9 @@ class _Capture:
     def cut(self) -> None:
         from .compat import settle
         self.fed = True
+        if self.steps and self.grads_kept is None:
+            self.grads_kept = any(p.grad is not None for g in self.first.param_groups
+                                  for p in g["params"])
         if self.several and self.since_cut:
             self._end_step(self.first)
         # What the loop left pending between steps (a model made on the device, a running
@@ -317,6 +327,14 @@ class _Capture:
                 raise _Done
         from .compat import settle
         settle(_pending_tensors())
+        try:
+            self._next_fix()
+        finally:
+            # A tensor's id moves with each update (functionalization): the next step's
+            # program names the ids its weights and state hold now.
+            self.held = _held_ids(opt, self.me)
+
+    def _next_fix(self) -> None:
         while self.steps > 1 and self.fixes:
             label, apply = self.fixes.pop(0)
             try:
@@ -334,8 +352,15 @@ class _Capture:
         from . import step, tpu_compile
         from .compat import pending_program
         outputs = _pending_tensors()
+        if self.grads_kept is False:
+            # The run's cut comes after the loop's zero_grad(), so a step's gradients are
+            # the program's temporaries, not outputs it keeps (planning ends the step
+            # earlier, at the optimizer's step, where they are still alive).
+            grads = {id(p.grad) for m in _models(opt) for p in m.parameters() if p.grad is not None}
+            grads |= {id(p.grad) for g in opt.param_groups for p in g["params"] if p.grad is not None}
+            outputs = [t for t in outputs if id(t) not in grads]
         text, donors, inputs = pending_program(outputs)
-        held = _held_ids(opt, self.me)
+        held = self.held | _held_ids(opt, self.me)
         batch = [t for tid, t in inputs if tid not in held and t.dim() > 0]
         mem = step.of(self.me).measured(opt, self.me.engine.device())
         self.me.beat()

@@ -103,7 +103,7 @@ def run(train_fn: Callable[..., Any], cores: int = 8, args: Sequence[Any] = (), 
 
 
 def plan(train_fn: Callable[..., Any], target: str = "v5e-8", cores: Optional[int] = None,
-         args: Sequence[Any] = (), *, start_method: Optional[str] = None,
+         args: Sequence[Any] = (), *, fixes: bool = True, start_method: Optional[str] = None,
          timeout: Optional[float] = None) -> "planning.Plan":
     """Whether `train_fn`'s step fits `target`, and how fast it could go there, from the
     TPU's own compiler, on any host (a CPU notebook included); nothing is trained.
@@ -127,17 +127,19 @@ def plan(train_fn: Callable[..., Any], target: str = "v5e-8", cores: Optional[in
         target: the TPU: "v5e-1", "v5e-4", "v5e-8", "v6e-1", "v6e-4", "v6e-8" or "v4-8".
         cores: 1, or every chip of the target (None: every chip).
         args: positional arguments for train_fn.
+        fixes: where the step does not fit, try the fixes (False: the verdict on the step
+            as written alone, one compile).
         start_method: as for `run`.
         timeout: seconds that bound the whole plan; None: no bound.
     """
     tgt = planning.target(target)
     return planned_run(train_fn, tgt, tgt.chips if cores is None else cores, args, "target",
-                       engine=None, start_method=start_method, timeout=timeout,
+                       fixes=fixes, engine=None, start_method=start_method, timeout=timeout,
                        stall_timeout=DEFAULT_STALL_S, functionalization=None)
 
 
 def planned_run(train_fn: Callable[..., Any], target: "planning.Target", cores: int,
-                args: Sequence[Any], named: str, **options) -> "planning.Plan":
+                args: Sequence[Any], named: str, fixes: bool = True, **options) -> "planning.Plan":
     """`run_replicas` with train_fn traced for a plan of `target`: the run's devices as
     many as the target's chips (virtual ones on a host without a TPU)."""
     if isinstance(cores, bool) or not isinstance(cores, numbers.Integral):
@@ -157,7 +159,7 @@ def planned_run(train_fn: Callable[..., Any], target: "planning.Target", cores: 
     if not info.has_tpu and devices > 1:  # read when the run's runtime starts
         os.environ["CPU_NUM_DEVICES"] = str(devices)
     try:
-        return run_replicas(planning.Planned(train_fn, target, devices), devices, args, **options)
+        return run_replicas(planning.Planned(train_fn, target, devices, fixes), devices, args, **options)
     finally:
         if saved is None:
             os.environ.pop("CPU_NUM_DEVICES", None)
