@@ -248,3 +248,39 @@ def test_the_buffers_a_plan_donates_are_the_ones_torch_xla_donates(run_script):
     for ours, torch_xlas in r.result:
         assert ours == torch_xlas
     assert r.result[-1][0] == 3 * 4  # steady state: 4 weights and their 2 AdamW moments each
+
+
+def test_on_a_tpu_the_compilers_refusal_for_hbm_names_the_fixes_and_the_plan(run_script):
+    # On a TPU host the step's first compile is the TPU compiler's own, and it refuses a step
+    # that does not fit before the step runs; torch_xla raises its words (as pytorch/xla
+    # issues quote them). No TPU here: the replica's error carries those words. A refusal
+    # for VMEM (a kernel's scratch memory) is not the model's size, and stays as it was.
+    r = run_script("""
+        import json
+        import tpu_utility as tu
+
+        HBM = ("Bad StatusOr access: RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran "
+               "out of memory in memory space hbm. Used 21.95G of 15.48G hbm. Exceeded hbm "
+               "capacity by 6.47G.\\n\\nTotal hbm usage >= 22.47G:")
+        VMEM = "Bad StatusOr access: RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space vmem."
+
+        def step(words):
+            raise RuntimeError(words)
+
+        if __name__ == "__main__":
+            seen = []
+            for words, cores in ((HBM, 1), (HBM, 8), (VMEM, 1)):
+                try:
+                    tu.run(step, cores=cores, args=(words,))
+                except Exception as e:
+                    seen.append([type(e).__name__, str(e)])
+            print("RESULT " + json.dumps(seen))
+    """, timeout=300)
+    (one, one_text), (eight, eight_text), (vmem, vmem_text) = r.result
+    assert one == eight == "MemoryError"
+    for text in (one_text, eight_text):
+        assert "the TPU's compiler refused the step before it ran" in text
+        assert "Used 21.95G of 15.48G hbm. Exceeded hbm capacity by 6.47G." in text
+        assert "Total hbm usage" not in text  # one sentence, not the compiler's whole report
+        assert "tu.fsdp(model)" in text and "TPU_UTILITY_TARGET=" in text
+    assert vmem == "RuntimeError" and "memory space vmem" in vmem_text

@@ -12,6 +12,7 @@ The limit is the runtime's (a TPU's HBM per device); XLA:CPU has none, and
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import json
 import os
@@ -246,6 +247,41 @@ def with_peak(memory: Optional[Memory]) -> Optional[Memory]:
     if not peaks:
         return memory
     return dataclasses.replace(memory, peak=max(peaks))
+
+
+# The TPU compiler's refusal, as torch_xla raises it at a step's first compile, before the
+# step runs ("Bad StatusOr access: RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran
+# out of memory in memory space hbm. Used 21.95G of 15.48G hbm. Exceeded hbm capacity by
+# 6.47G."). VMEM, a core's scratch memory, is a kernel's problem, not the model's size.
+_HBM_REFUSAL = re.compile(r"RESOURCE_EXHAUSTED:.*?Ran out of memory (?:in memory space hbm|on HBM)"
+                          r"[^\n]*", re.S)
+
+
+def refused(error: BaseException) -> Optional[MemoryError]:
+    """The TPU compiler's refusal of a step for HBM, as a MemoryError that names the fixes
+    and how to try them without a TPU; None for any other error."""
+    found = _HBM_REFUSAL.search(str(error))
+    if found is None:
+        return None
+    words = found.group(0)
+    words = words[words.index("RESOURCE_EXHAUSTED"):].strip()
+    from .planning import TARGET_VAR
+    return MemoryError(
+        f"the TPU's compiler refused the step before it ran, for memory ({words}): {_FIX}; "
+        f"{TARGET_VAR}=<this TPU, e.g. v5e-8> on any machine, a CPU notebook included, "
+        f"compiles each fix for this TPU without one (tu.plan)")
+
+
+@contextlib.contextmanager
+def compiler_refusals():
+    """Around train_fn: the TPU compiler's refusal for HBM raised as `refused` words it."""
+    try:
+        yield
+    except Exception as e:
+        refusal = refused(e)
+        if refusal is None:
+            raise
+        raise refusal from e
 
 
 def peak_hint(memory: Memory) -> str:

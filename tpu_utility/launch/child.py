@@ -81,7 +81,7 @@ def _replica_main(launch: Launch, beat, local_rank: int, engine) -> None:
     results, outbox = launch.results, launch.outbox
     try:
         me = replica.Replica(engine, heartbeat=beat, board=launch.board)
-        with replica.activate(me), masks_without_reads():
+        with replica.activate(me), masks_without_reads(), memory.compiler_refusals():
             launch.stages.mark(local_rank, exits.IN_TRAIN_FN)
             out = launch.train_fn(*launch.args)
             launch.stages.mark(local_rank, exits.RETURNED)

@@ -199,7 +199,8 @@ def run_replicas(train_fn: Callable[..., Any], cores: int, args: Sequence[Any], 
                 f"XLA runtime (the XLA device was used outside run()), so train_fn would run "
                 f"here, as it is: restart the kernel and call run() before anything touches "
                 f"the device")
-        with replica.activate(replica.Replica(cls.in_caller(info, cores))), masks_without_reads():
+        with replica.activate(replica.Replica(cls.in_caller(info, cores))), masks_without_reads(), \
+                memory.compiler_refusals():
             return result_on_cpu(train_fn(*args), must_pickle=False)
     forks = "fork" in cls.start_methods
     start_method = start_method or ("fork" if in_notebook() and forks else "spawn")
