@@ -60,9 +60,9 @@ def too_big(copies=65536):
     return "trained"
 
 
-def bert(seq=2048, rows=64, steps=4, checkpointing=False, layers=2):
+def bert(seq=2048, rows=64, steps=4, checkpointing=False, layers=2, bf16=False):
     """A small config-made BERT whose attention at `seq` tokens outgrows a chip unless
-    gradient checkpointing recomputes it."""
+    gradient checkpointing recomputes it; `bf16`: with tu.bf16_weights."""
     from transformers import BertConfig, BertForSequenceClassification
     device = tu.get_device()
     torch.manual_seed(0)
@@ -73,6 +73,8 @@ def bert(seq=2048, rows=64, steps=4, checkpointing=False, layers=2):
     if checkpointing:
         model.gradient_checkpointing_enable()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if bf16:
+        tu.bf16_weights(model, opt)
     g = torch.Generator().manual_seed(1)
     n = rows * tu.world_size() * steps
     data = [{"input_ids": i, "labels": y} for i, y in
