@@ -131,3 +131,40 @@ def test_scale_lr_bs_closed_form(capsys):
         tu.scale_lr_bs(1e-3, 0, cores=8)
     with pytest.raises(ValueError, match="cores"):
         tu.scale_lr_bs(1e-3, 8, cores=0)
+
+
+def test_a_scripts_own_logging_set_up_works_after_the_device_is_used(run_script, tmp_path):
+    # torch_xla's import calls logging.basicConfig(), and the device's first use (inside
+    # train_fn) imports it: the script's own basicConfig after that did nothing (no file,
+    # no INFO or DEBUG lines), at 1 core and 8 alike. torch_xla's own warnings still show:
+    # in the user's log where there is one, on stderr where there is none.
+    for cores in (1, 8):  # each a fresh script: the device's first use is inside its run
+        path = tmp_path / f"{cores}.log"
+        run_script(f"""
+            import logging
+            import tpu_utility as tu
+
+            def train_fn(path):
+                tu.get_device()
+                logging.basicConfig(filename=path, level=logging.DEBUG, format="%(levelname)s|%(message)s")
+                logging.getLogger("train").info("epoch 1: loss 0.5")
+                logging.debug("a detail")
+                logging.getLogger("torch_xla").warning("torch_xla warns")
+
+            if __name__ == "__main__":
+                tu.run(train_fn, cores={cores}, args=({str(path)!r},))
+        """, fresh=True, timeout=300)
+        assert path.read_text().splitlines() == [
+            "INFO|epoch 1: loss 0.5", "DEBUG|a detail", "WARNING|torch_xla warns"]
+    quiet = run_script("""
+        import logging
+        import tpu_utility as tu
+
+        def train_fn():
+            tu.get_device()
+            logging.getLogger("torch_xla").warning("torch_xla warns")
+
+        if __name__ == "__main__":
+            tu.run(train_fn, cores=1)
+    """, fresh=True, timeout=300)
+    assert "torch_xla warns" in quiet.stderr

@@ -1,4 +1,7 @@
 """tpu_utility: run a functional PyTorch CUDA script on one TPU core or on all of them."""
+from .compat import keep_root_logging
+
+keep_root_logging()  # before anything imports torch_xla: the script's logging set-up stays its own
 from .amp import Autocast, GradScaler, autocast
 from .augment import Augment, aug_transforms
 from .bf16_weights import bf16_weights

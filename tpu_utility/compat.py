@@ -16,6 +16,45 @@ import weakref
 from typing import Callable, Dict, List, Optional
 
 
+class _RootLoggingKept:
+    """An import hook, once, for torch_xla: its `__init__` calls `logging.basicConfig()` (2.8
+    and 2.9), and tpu_utility imports it when the device is first used, inside train_fn,
+    so the script's own `logging.basicConfig(filename=..., level=...)` after that would do
+    nothing (the root logger has a handler). The handler torch_xla adds to a root that had
+    none is taken off again; its warnings still reach stderr (logging's last resort)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch_xla":
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)  # as the other finders find it
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run = loader.exec_module
+
+        def exec_module(module):
+            import logging
+            root = logging.getLogger()
+            before = list(root.handlers)
+            try:
+                run(module)
+            finally:
+                added = [h for h in root.handlers if h not in before]
+                if not before and len(added) == 1:
+                    root.removeHandler(added[0])
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def keep_root_logging() -> None:
+    """Install `_RootLoggingKept` where torch_xla is not imported yet (at `import tpu_utility`)."""
+    if "torch_xla" not in sys.modules and not any(isinstance(f, _RootLoggingKept) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RootLoggingKept())
+
+
 def runtime_started() -> bool:
     """Whether this process already holds the XLA runtime, checked without starting it."""
     if sys.modules.get("torch_xla") is None:  # never imported (or blocked): not started
