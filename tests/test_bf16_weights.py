@@ -114,3 +114,57 @@ def test_bf16_weights_keep_small_updates_equal_a_hand_written_loop_and_split(run
     assert m["optimizer"] == 12 * per_device, e
     assert f"parameters {2 * per_device / 1e3:.2f} kB" in e["report"], e
     assert r["loads"], r
+
+
+def test_weights_loaded_and_groups_added_after_bf16_weights_train_as_in_float32(run_script):
+    # The order a fine-tune often takes: wrap, then load the pretrained weights; and a
+    # group added later (a part unfrozen). Before, the first step overwrote the loaded
+    # weight with its stale float32 copy (0.598 became 0.000819 - the updates), and the
+    # added group's bfloat16 weight had no copy: ten updates of 1e-3 rounded away (1.0).
+    r = run_script("""
+        import json, torch
+        import tpu_utility as tu
+
+        class Two(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = torch.nn.Linear(1, 1, bias=False)
+                self.b = torch.nn.Linear(1, 1, bias=False)
+
+            def forward(self, x):
+                return self.a(x) + self.b(x)
+
+        def train():
+            device = tu.get_device()
+            model = Two().to(device)
+            with torch.no_grad():
+                model.a.weight.fill_(0.000819)
+                model.b.weight.fill_(1.0)
+            opt = torch.optim.SGD([model.a.weight], lr=1e-3)
+            tu.bf16_weights(model, opt)
+            model.load_state_dict({"a.weight": torch.tensor([[0.598]]), "b.weight": torch.tensor([[1.0]])})
+            opt.add_param_group({"params": [model.b.weight], "lr": 1e-3})
+            x = torch.ones(4, 1)
+            for _ in range(10):
+                model(x.to(device)).mean().backward()
+                tu.optimizer_step(opt)
+                opt.zero_grad()
+            tu.sync()
+            return [float(model.a.weight.float().cpu()), float(model.b.weight.float().cpu()),
+                    str(opt.param_groups[1]["params"][0].dtype)]
+
+        if __name__ == "__main__":
+            print("RESULT " + json.dumps([tu.run(train, cores=c) for c in (1, 8)]))
+    """, timeout=300)
+    # Plain CPU torch: float32 copies of the bfloat16 weights, ten SGD steps, rounded back.
+    import torch
+    expected = []
+    for start in (torch.tensor(0.598).bfloat16().float(), torch.tensor(1.0)):
+        w = start.clone()
+        for _ in range(10):
+            w -= 1e-3
+        expected.append(float(w.bfloat16().float()))
+    assert expected[1] == 0.98828125
+    for a, b, dtype in r.result:
+        assert [a, b] == expected
+        assert dtype == "torch.float32"

@@ -76,11 +76,30 @@ def bf16_weights(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer") -
     if step.of(replica).masters_of(optimizer):
         raise RuntimeError("bf16_weights(model, optimizer): this optimizer already steps float32 "
                            "copies; call it once per optimizer")
-    owned = {id(p) for p in model.parameters()}
+    pairs = copies_for(optimizer, {id(p) for p in model.parameters()})
+    if not pairs:
+        raise ValueError("bf16_weights(model, optimizer): the optimizer holds none of the model's "
+                         "floating parameters: make it over model.parameters()")
+    model.to(torch.bfloat16)  # in place: the optimizer's old parameters are these objects
+    step.of(replica).keep_masters(optimizer, pairs)
+    # A group added later (optimizer.add_param_group) gets copies of its bfloat16 weights
+    # at once, before a state is loaded into it; without them its updates round away.
+    optimizer.add_param_group = functools.partial(_add_group, optimizer.add_param_group,
+                                                  optimizer, pairs)
+    optimizer.register_state_dict_post_hook(functools.partial(_save, pairs))
+    optimizer.register_load_state_dict_pre_hook(functools.partial(_load, pairs))
+    model.register_forward_pre_hook(_inputs_to_bf16, with_kwargs=True)
+    return model
+
+
+def copies_for(optimizer, weights) -> List[Tuple["torch.Tensor", "torch.Tensor"]]:
+    """Float32 copies of the optimizer's floating parameters whose ids are in `weights`, put
+    in their place in its groups (a step's state follows its copy): (copy, weight) pairs."""
+    import torch
     pairs: List[Tuple["torch.Tensor", "torch.Tensor"]] = []
     for group in optimizer.param_groups:
         for i, p in enumerate(group["params"]):
-            if id(p) not in owned or not p.is_floating_point():
+            if id(p) not in weights or not p.is_floating_point():
                 continue
             master = torch.nn.Parameter(p.detach().to(torch.float32, copy=True),
                                         requires_grad=p.requires_grad)
@@ -88,15 +107,21 @@ def bf16_weights(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer") -
             if p in optimizer.state:  # a step taken before: its state follows the copy
                 optimizer.state[master] = optimizer.state.pop(p)
             pairs.append((master, p))
-    if not pairs:
-        raise ValueError("bf16_weights(model, optimizer): the optimizer holds none of the model's "
-                         "floating parameters: make it over model.parameters()")
-    model.to(torch.bfloat16)  # in place: the optimizer's old parameters are these objects
-    step.of(replica).keep_masters(optimizer, pairs)
-    optimizer.register_state_dict_post_hook(functools.partial(_save, pairs))
-    optimizer.register_load_state_dict_pre_hook(functools.partial(_load, pairs))
-    model.register_forward_pre_hook(_inputs_to_bf16, with_kwargs=True)
-    return model
+    return pairs
+
+
+def _add_group(add, optimizer, pairs, group) -> None:
+    """`optimizer.add_param_group(group)`, its bfloat16 weights then stepped as copies."""
+    import torch
+    from . import step
+    from .replica import current
+    before = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    add(group)
+    new = {id(p) for p in optimizer.param_groups[-1]["params"]
+           if id(p) not in before and p.dtype == torch.bfloat16}
+    added = copies_for(optimizer, new)
+    pairs.extend(added)
+    step.of(current()).split_copies(added)
 
 
 def _save(pairs, optimizer, state_dict):

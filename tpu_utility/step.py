@@ -126,8 +126,12 @@ class Steps:
         """Have `optimizer_step` step `opt`'s float32 copies of the model's bfloat16 weights:
         gradients moved to the copies before, the copies rounded into the weights after.
         A weight split by tu.fsdp before keeps its split, and its copy is split alike."""
-        from .compat import mark_sharding, sharded
         self._masters[opt] = pairs
+        self.split_copies(pairs)
+
+    def split_copies(self, pairs: list) -> None:
+        """Each (copy, weight) pair's copy split as tu.fsdp split its weight, if it did."""
+        from .compat import mark_sharding, sharded
         for master, weight in pairs:
             if self._splits.get(id(weight)) is weight:
                 op = self._split_ops[id(weight)]
@@ -349,7 +353,15 @@ def _listed_twice(opt) -> bool:
 
 def _gradients_to_masters(pairs: list) -> None:
     """Each bfloat16 weight's gradient, in float32, as its copy's; the weight's dropped (a
-    temporary of the step, not kept beside the copy's)."""
+    temporary of the step, not kept beside the copy's). A weight written since the last
+    step (`load_state_dict` after tu.bf16_weights, `p.data.copy_`) gives its copy its new
+    value; a weight the last step wrote is its copy rounded, and the copy keeps the bits
+    below the rounding (an elementwise test traced into the step: no read, no compile)."""
+    import torch
+    with torch.no_grad():
+        for master, weight in pairs:
+            master.copy_(torch.where(weight == master.to(weight.dtype), master,
+                                     weight.to(master.dtype)))
     for master, weight in pairs:
         if weight.grad is not None:
             master.grad = weight.grad.to(master.dtype)
