@@ -115,47 +115,72 @@ LLAMA_LAYER = 4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096  # parameters a laye
 LLAMA_REST = 2 * 32000 * 4096 + 4096  # embeddings, head, final norm
 
 
-def capacity(target, ways=("", "-fsdp", "-fsdp-ckpt", "-fsdp-ckpt-bf16")):
+def capacity(target, ways=("", "-fsdp", "-fsdp-ckpt", "-fsdp-ckpt-bf16"), log=None):
     """The largest Llama, in layers, that the compiler fits on `target` each way, and the
-    smallest it refuses."""
+    smallest it refuses. `log`: a file of earlier verdicts (this function's JSON lines),
+    read first and appended to, so that an interrupted search resumes."""
     import functools
     import json
     import tpu_utility as tu
     from bench_plan import train as train_fn
 
+    known = []
+    if log and os.path.exists(log):
+        with open(log) as f:
+            known = [json.loads(line) for line in f if line.startswith("{")]
     for way in ways:
-        seen = {}
+        name = way or "-replicated"
+        seen = {k["layers"]: k for k in known if k.get("target") == target and k.get("way") == name
+                and "layers" in k}
 
         def verdict(layers):
             if layers not in seen:
                 start = time.perf_counter()
                 s = tu.plan(functools.partial(train_fn, f"llama-{layers}{way}"), target=target,
                             fixes=False).steps[0]
-                seen[layers] = s
-                print(json.dumps({"target": target, "way": way or "-replicated", "layers": layers,
-                                  "parameters": layers * LLAMA_LAYER + LLAMA_REST,
-                                  "fits": s.fits, "peak": s.peak, "flops": s.flops,
-                                  "error": s.error and s.error[:160],
-                                  "seconds": round(time.perf_counter() - start)}), flush=True)
-            return seen[layers].fits
+                seen[layers] = {"target": target, "way": name, "layers": layers,
+                                "parameters": layers * LLAMA_LAYER + LLAMA_REST,
+                                "fits": s.fits, "peak": s.peak, "argument": s.argument,
+                                "temp": s.temp, "flops": s.flops, "rows": s.rows,
+                                "step_s": s.step_seconds(tu.planning.TARGETS[target]),
+                                "error": s.error and s.error[:160],
+                                "seconds": round(time.perf_counter() - start)}
+                line = json.dumps(seen[layers])
+                print(line, flush=True)
+                if log:
+                    with open(log, "a") as f:
+                        f.write(line + "\n")
+            return seen[layers]["fits"]
 
+        # The compiler's HBM: its refusals say "exceeds available HBM (15.75G)" on a v5e
+        available = tu.planning.TARGETS[target].hbm * 15.75 / 16
+        layers = 2
         if not verdict(1):
-            print(json.dumps({"target": target, "way": way, "largest": 0, "refused": 1}), flush=True)
-            continue
-        if verdict(2) and verdict(4):
-            per_layer = (seen[4].peak - seen[2].peak) / 2
-            base = seen[2].peak - 2 * per_layer
-            capacity = tu.planning.TARGETS[target].hbm * 0.96  # the compiler keeps some back
-            guess = max(4, int((capacity - base) / per_layer))
-        else:
-            guess = 1
-        while verdict(guess + 1):
-            guess += 1
-        while not verdict(guess):
-            guess -= 1
-        print(json.dumps({"target": target, "way": way or "-replicated", "largest": guess,
-                          "refused": guess + 1,
-                          "parameters": guess * LLAMA_LAYER + LLAMA_REST}), flush=True)
+            layers = 0
+        while layers and verdict(layers):  # the secant through the two largest that fit
+            fit = sorted(k for k, v in seen.items() if v["fits"])
+            a, b = (fit[-2], fit[-1]) if len(fit) > 1 else (0, fit[-1])
+            if a == 0:
+                layers = 2 * b
+                continue
+            slope = (seen[b]["peak"] - seen[a]["peak"]) / (b - a)
+            guess = b + max(1, int((available - seen[b]["peak"]) / slope)) if slope > 0 else 2 * b
+            refused = [k for k, v in seen.items() if not v["fits"]]
+            layers = min([guess] + [r for r in refused if r > b])
+            if layers == b + 1 and layers in seen:
+                break
+        # then halve the gap between the largest that fits and the smallest refused
+        lo = max([k for k, v in seen.items() if v["fits"]], default=0)
+        hi = min([k for k, v in seen.items() if not v["fits"] and k > lo], default=None)
+        while hi is None or hi - lo > 1:
+            mid = lo + 1 if hi is None else (lo + hi) // 2
+            if verdict(mid):
+                lo = mid
+            else:
+                hi = mid
+        fit = lo
+        print(json.dumps({"target": target, "way": name, "largest": fit, "refused": fit + 1,
+                          "parameters": fit * LLAMA_LAYER + LLAMA_REST}), flush=True)
 
 
 def main():
@@ -163,6 +188,9 @@ def main():
     p.add_argument("--models", nargs="+", default=["quickstart", "finetune_text", "bert-base"])
     p.add_argument("--targets", nargs="+", default=["v5e-8", "v6e-1"])
     p.add_argument("--capacity", action="store_true")
+    p.add_argument("--ways", nargs="+", default=["", "-fsdp", "-fsdp-ckpt", "-fsdp-ckpt-bf16"],
+                   help="for --capacity: '' is replicated")
+    p.add_argument("--log", help="for --capacity: a file of verdicts, read first and appended to")
     args = p.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import tpu_utility as tu
@@ -170,7 +198,7 @@ def main():
     import functools
     if args.capacity:
         for target in args.targets:
-            capacity(target)
+            capacity(target, tuple(args.ways), args.log)
         return
     for target in args.targets:
         for name in args.models:
