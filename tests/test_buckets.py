@@ -152,3 +152,28 @@ def test_after_the_first_epoch_a_batch_pads_to_a_length_already_met():
     out, valid = settle(batch(10, 16))
     assert torch.equal(out["attention_mask"].sum(1), torch.tensor([10, 10])) and out["input_ids"].shape == (2, 32)
     assert (out["input_ids"][:, 10:] == 0).all() and valid.tolist() == [True, True]
+
+
+def test_seq2seq_labels_that_do_not_line_up_with_the_inputs_are_left_as_the_collate_made_them():
+    # The longest label row (20) is as long as the longest input row by chance: the labels
+    # were padded to their own longest, with -100, and under the inputs' padding they hold
+    # real tokens. Before, the bucket (24) padded them with one of those tokens, and a
+    # BART's loss was 4.278 where plain CPU torch, on the collate's own batch, gives 4.234.
+    from transformers import BartConfig, BartForConditionalGeneration, DataCollatorForSeq2Seq
+    tok = hf_fns.make_tokenizer()
+    rows = [{"input_ids": list(range(4, 4 + n)), "labels": list(range(30, 30 + m))}
+            for n, m in ((5, 20), (20, 3), (12, 8))]
+    torch.manual_seed(0)
+    model = BartForConditionalGeneration(BartConfig(
+        vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2)).eval()
+    collate = DataCollatorForSeq2Seq(tok, model=model)
+    (batch,) = batches(tu.make_loader(rows, 3, train=False, num_workers=0, collate_fn=collate))
+    exact = collate(rows)
+    assert batch["input_ids"].shape == (3, 24) and exact["input_ids"].shape == (3, 20)
+    assert torch.equal(batch["labels"], exact["labels"])
+    assert torch.equal(batch["decoder_input_ids"], exact["decoder_input_ids"])
+    with torch.no_grad():
+        ours, plain = model(**batch).loss, model(**exact).loss
+    assert torch.allclose(ours, plain, atol=1e-6), (ours, plain)

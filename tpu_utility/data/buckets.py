@@ -83,7 +83,9 @@ def padded_to_bucket(batch: Any, samples: list, buckets: Buckets, collate_fn=Non
 
     Each tensor whose first two dimensions are the mask's is padded: `attention_mask` with
     0; `input_ids` with the collate's tokenizer's pad token; the rest with the value the
-    collate put under the mask's zeros (`labels`: -100 where the batch has none).
+    collate put under the mask's zeros; `labels` with -100, which the loss ignores. A
+    tensor whose values under the mask's zeros differ (it does not line up with the mask:
+    a seq2seq batch's labels) is left as it is.
 
     Args:
         batch: what the collate returned.
@@ -107,6 +109,7 @@ def padded_to_bucket(batch: Any, samples: list, buckets: Buckets, collate_fn=Non
     fills = {key: _fill(key, value, masked, getattr(tokenizer, "pad_token_id", None))
              for key, value in batch.items() if isinstance(value, torch.Tensor) and
              value.dim() >= 2 and tuple(value.shape[:2]) == (rows, n)}
+    fills = {key: fill for key, fill in fills.items() if fill is not None}
     target = bucket_length(n, buckets if isinstance(buckets, tuple) else None, cap)
     return padded(batch, fills, target), fills
 
@@ -157,13 +160,22 @@ def _put(batch, where: tuple, inner):
 
 
 def _fill(key: str, value, masked, pad_id) -> Any:
+    """What `key` is padded with, or None: it does not line up with the mask (a seq2seq
+    batch's labels, padded to the longest label row, which may be as long as the longest
+    input row by chance), and is left as the collate made it."""
     import torch
     if key == "attention_mask":
         return torch.tensor(0)
     if key == "input_ids" and isinstance(pad_id, int):
         return torch.tensor(pad_id)
-    if bool(masked.any()):  # what the collate itself padded this key with
-        return value[masked][0]
+    if bool(masked.any()):  # what the collate itself padded this key with, if one value
+        under = value[masked]
+        if not bool((under == under[0]).all()):
+            return None
+        if key != "labels":
+            return under[0]
+    # Labels past the collate's own length are ignored by the loss (-100), so the loss is
+    # the one the unpadded batch gives, whatever the collate put under its own padding.
     return torch.tensor(-100 if key == "labels" else 0)
 
 
