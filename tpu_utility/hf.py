@@ -102,6 +102,11 @@ def model_loss(output, who: str):
             f"{who}: no loss_fn was given, and the model returned {type(output).__name__} "
             f"without a loss: pass loss_fn=, or give the model its labels in the batch "
             f"(a dict batch with 'labels', as Hugging Face models take them)")
+    if getattr(loss, "dim", lambda: 0)():  # shapes are the host's: no read of the device
+        raise ValueError(
+            f"{who}: no loss_fn was given, and the model's own loss has shape "
+            f"{list(loss.shape)}, one per row, not one number: have the model return its "
+            f"mean (loss.mean()), or pass loss_fn=")
     return loss
 
 
@@ -111,15 +116,19 @@ def is_model_output(output) -> bool:
                for c in type(output).__mro__)
 
 
-def logits_and_labels(output, inputs):
+def logits_and_labels(output, inputs, who: str = "metrics"):
     """What metrics receive for a model that computes its own loss: its logits (or its
     first output that is not the loss) and the labels among its inputs (the dict it was
     called with: the batch, or what batch_fn made of it)."""
     if isinstance(output, Mapping):
         logits = output.get("logits")
         if logits is None:
-            logits = next(v for k, v in output.items() if k != "loss")
+            logits = next((v for k, v in output.items() if k != "loss"), None)
     else:
-        logits = output.logits
+        logits = getattr(output, "logits", None)
+    if logits is None:
+        raise ValueError(f"{who}: the metrics need the model's predictions, and it returned "
+                         f"{type(output).__name__} with its loss alone: return its logits too "
+                         f"(a dict with 'logits'), or pass loss_fn= and return the logits")
     labels = inputs.get("labels", inputs.get("label")) if isinstance(inputs, Mapping) else None
     return logits, labels

@@ -40,7 +40,8 @@ def evaluate(model, loader, loss_fn, metrics, batch_fn, autocast) -> list:
                 with autocast:
                     output = forward(model, inputs)
                     losses = model_loss(output, "evaluation").expand(len(real))
-                output, target = logits_and_labels(output, inputs)  # the labels it was given
+                if metrics:  # the labels it was given
+                    output, target = logits_and_labels(output, inputs, "evaluation")
             else:
                 inputs, target = split_batch(batch, batch_fn)
                 with autocast:

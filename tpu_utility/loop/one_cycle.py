@@ -8,6 +8,7 @@ and the schedule never feeds 0.0 or 1.0, so after the first epoch nothing compil
 from __future__ import annotations
 
 import math
+import numbers
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -90,7 +91,7 @@ def train_one_cycle(
         >>> len(hist.epochs)
         2
     """
-    if isinstance(loss_fn, int) and not isinstance(loss_fn, bool):  # (model, loader, opt, epochs[, max_lr])
+    if isinstance(loss_fn, numbers.Integral) and not isinstance(loss_fn, bool):  # (model, loader, opt, epochs[, max_lr]); NumPy's ints too
         if max_lr is not None:
             raise TypeError(f"train_one_cycle: loss_fn={loss_fn!r} is not a loss function; without "
                             f"one, pass train_one_cycle(model, loader, opt, epochs, max_lr)")
