@@ -101,3 +101,25 @@ def test_metrics_on_a_model_that_returns_its_loss_alone_name_the_missing_logits(
 def test_numpy_epochs_in_the_fourth_place_are_epochs(found):
     # Before: "epochs must be a positive int, got None" (np.int64 was not read as epochs).
     assert found["numpy_epochs"] == {"value": 2}
+
+
+def test_a_cpu_backward_before_the_run_is_named_with_what_to_do(run_script):
+    # torch sizes its autograd queues at the first backward: after a notebook's quick check
+    # on the CPU, each backward on XLA failed torch's INTERNAL ASSERT (engine.cpp:1539).
+    r = run_script("""
+        import json, torch
+        import tpu_utility as tu
+
+        def step():
+            device = tu.get_device()
+            torch.nn.Linear(2, 1).to(device)(torch.ones(1, 2).to(device)).sum().backward()
+
+        if __name__ == "__main__":
+            torch.nn.Linear(2, 1)(torch.ones(1, 2)).sum().backward()  # the quick check
+            try:
+                tu.run(step, cores=1, start_method="fork")  # as a notebook starts it
+            except RuntimeError as e:
+                print("RESULT " + json.dumps(str(e)))
+    """, fresh=True, timeout=300)
+    assert r.result.startswith("a backward ran on the CPU in this process before the XLA device")
+    assert "restart the kernel" in r.result and "INTERNAL ASSERT" not in r.result

@@ -12,7 +12,6 @@ The limit is the runtime's (a TPU's HBM per device); XLA:CPU has none, and
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
 import json
 import os
@@ -270,18 +269,6 @@ def refused(error: BaseException) -> Optional[MemoryError]:
         f"the TPU's compiler refused the step before it ran, for memory ({words}): {_FIX}; "
         f"{TARGET_VAR}=<this TPU, e.g. v5e-8> on any machine, a CPU notebook included, "
         f"compiles each fix for this TPU without one (tu.plan)")
-
-
-@contextlib.contextmanager
-def compiler_refusals():
-    """Around train_fn: the TPU compiler's refusal for HBM raised as `refused` words it."""
-    try:
-        yield
-    except Exception as e:
-        refusal = refused(e)
-        if refusal is None:
-            raise
-        raise refusal from e
 
 
 def peak_hint(memory: Memory) -> str:

@@ -7,6 +7,7 @@ its record current, runs train_fn, and reports its result or its error.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -76,12 +77,40 @@ def _ready(launch: Launch, local_rank: int) -> tuple:
     return beat, dump_file
 
 
+@contextlib.contextmanager
+def reworded():
+    """Around train_fn: an error whose own words do not say what to do, in one sentence
+    that does (the cause kept as its __cause__)."""
+    try:
+        yield
+    except Exception as e:
+        better = memory.refused(e) or _autograd_before_xla(e)
+        if better is None:
+            raise
+        raise better from e
+
+
+def _autograd_before_xla(error: BaseException) -> Optional[RuntimeError]:
+    """torch sizes its autograd engine's device queues once, at the process's first
+    backward (engine.cpp, start_device_threads): after a backward on the CPU before the
+    XLA device was known (a notebook's quick check), every backward on XLA fails its
+    INTERNAL ASSERT, in this process and in those forked from it."""
+    if "device_ready_queues_" not in str(error):
+        return None
+    return RuntimeError(
+        "a backward ran on the CPU in this process before the XLA device was first used, and "
+        "torch's autograd, set up by that backward, cannot run one on XLA in this process or "
+        "in those forked from it: restart the kernel (or script) and call tu.run() before "
+        "any backward outside it (a quick check on the CPU can run inside train_fn, or in a "
+        "run with start_method='spawn' from a .py file)")
+
+
 def _replica_main(launch: Launch, beat, local_rank: int, engine) -> None:
     import torch
     results, outbox = launch.results, launch.outbox
     try:
         me = replica.Replica(engine, heartbeat=beat, board=launch.board)
-        with replica.activate(me), masks_without_reads(), memory.compiler_refusals():
+        with replica.activate(me), masks_without_reads(), reworded():
             launch.stages.mark(local_rank, exits.IN_TRAIN_FN)
             out = launch.train_fn(*launch.args)
             launch.stages.mark(local_rank, exits.RETURNED)

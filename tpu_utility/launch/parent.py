@@ -27,7 +27,7 @@ from ..environment import in_notebook, setup_tpu, xla_version
 from ..hf import masks_without_reads
 from .preemption import StopBoard, on_sigterm
 from .stall import DEFAULT_STALL_S, Heartbeats, Watch, check_stall_timeout
-from .child import Launch, process_main
+from .child import Launch, process_main, reworded
 from .results import MEMORY_FILE, collect, result_on_cpu, stop
 
 
@@ -200,7 +200,7 @@ def run_replicas(train_fn: Callable[..., Any], cores: int, args: Sequence[Any], 
                 f"here, as it is: restart the kernel and call run() before anything touches "
                 f"the device")
         with replica.activate(replica.Replica(cls.in_caller(info, cores))), masks_without_reads(), \
-                memory.compiler_refusals():
+                reworded():
             return result_on_cpu(train_fn(*args), must_pickle=False)
     forks = "fork" in cls.start_methods
     start_method = start_method or ("fork" if in_notebook() and forks else "spawn")
