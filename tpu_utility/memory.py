@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 LIMIT_ENV = "TPU_UTILITY_DEVICE_MEMORY"
-_FIX = ("split the weights over the devices with tu.fsdp(model) (all cores), turn on gradient "
+FIX = ("split the weights over the devices with tu.fsdp(model) (all cores), turn on gradient "
         "checkpointing (model.gradient_checkpointing_enable()), keep the weights in bfloat16, "
         "or use a smaller batch")
 _FILE: List[Optional[str]] = [None]
@@ -235,7 +235,7 @@ def check(memory: Memory) -> None:
             f"this run needs {size_text(memory.state)} per device for parameters, gradients and "
             f"optimizer state ({size_text(memory.parameters)} + {size_text(memory.gradients)} + "
             f"{size_text(memory.optimizer)}) before any activation, and a device has "
-            f"{size_text(memory.limit)}: {_FIX}")
+            f"{size_text(memory.limit)}: {FIX}")
 
 
 def with_peak(memory: Optional[Memory]) -> Optional[Memory]:
@@ -248,30 +248,7 @@ def with_peak(memory: Optional[Memory]) -> Optional[Memory]:
     return dataclasses.replace(memory, peak=max(peaks))
 
 
-# The TPU compiler's refusal, as torch_xla raises it at a step's first compile, before the
-# step runs ("Bad StatusOr access: RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran
-# out of memory in memory space hbm. Used 21.95G of 15.48G hbm. Exceeded hbm capacity by
-# 6.47G."). VMEM, a core's scratch memory, is a kernel's problem, not the model's size.
-_HBM_REFUSAL = re.compile(r"RESOURCE_EXHAUSTED:.*?Ran out of memory (?:in memory space hbm|on HBM)"
-                          r"[^\n]*", re.S)
-
-
-def refused(error: BaseException) -> Optional[MemoryError]:
-    """The TPU compiler's refusal of a step for HBM, as a MemoryError that names the fixes
-    and how to try them without a TPU; None for any other error."""
-    found = _HBM_REFUSAL.search(str(error))
-    if found is None:
-        return None
-    words = found.group(0)
-    words = words[words.index("RESOURCE_EXHAUSTED"):].strip()
-    from .planning import TARGET_VAR
-    return MemoryError(
-        f"the TPU's compiler refused the step before it ran, for memory ({words}): {_FIX}; "
-        f"{TARGET_VAR}=<this TPU, e.g. v5e-8> on any machine, a CPU notebook included, "
-        f"compiles each fix for this TPU without one (tu.plan)")
-
-
 def peak_hint(memory: Memory) -> str:
     """The sentence for a compiled step whose peak exceeds the device's memory."""
     return (f"the compiled step needs {size_text(memory.peak or 0)} per device at its peak and a "
-            f"device has {size_text(memory.limit or 0)}: {_FIX}")
+            f"device has {size_text(memory.limit or 0)}: {FIX}")

@@ -10,11 +10,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from .. import memory, replica, step
+from ..planning import TARGET_VAR
 from . import exits
 from .children import die_with_parent
 from ..compat import FUNCTIONALIZATION_ENV
@@ -84,10 +86,32 @@ def reworded():
     try:
         yield
     except Exception as e:
-        better = memory.refused(e) or _autograd_before_xla(e)
+        better = _hbm_refused(e) or _autograd_before_xla(e)
         if better is None:
             raise
         raise better from e
+
+
+# The TPU compiler's refusal, as torch_xla raises it at a step's first compile, before the
+# step runs ("Bad StatusOr access: RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran
+# out of memory in memory space hbm. Used 21.95G of 15.48G hbm. Exceeded hbm capacity by
+# 6.47G."). VMEM, a core's scratch memory, is a kernel's problem, not the model's size.
+_HBM_REFUSAL = re.compile(r"RESOURCE_EXHAUSTED:.*?Ran out of memory (?:in memory space hbm|on HBM)"
+                          r"[^\n]*", re.S)
+
+
+def _hbm_refused(error: BaseException) -> Optional[MemoryError]:
+    """The TPU compiler's refusal of a step for HBM, as a MemoryError that names the fixes
+    and how to try them without a TPU; None for any other error."""
+    found = _HBM_REFUSAL.search(str(error))
+    if found is None:
+        return None
+    words = found.group(0)
+    words = words[words.index("RESOURCE_EXHAUSTED"):].strip()
+    return MemoryError(
+        f"the TPU's compiler refused the step before it ran, for memory ({words}): {memory.FIX}; "
+        f"{TARGET_VAR}=<this TPU, e.g. v5e-8> on any machine, a CPU notebook included, "
+        f"compiles each fix for this TPU without one (tu.plan)")
 
 
 def _autograd_before_xla(error: BaseException) -> Optional[RuntimeError]:
