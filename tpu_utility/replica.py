@@ -58,6 +58,7 @@ class Replica:
         self.reads = ReadWatch()  # the lines that read the device in the second step
         self.on_step: Optional[Callable[[Any], None]] = None  # called with each stepped optimizer
         self.on_cut: Optional[Callable[[], None]] = None  # called at each make_loader step cut
+        self.feeding = 0  # make_loader epochs being iterated here: each cuts the graph a batch
 
     @property
     def owns_host_rng(self) -> bool:

@@ -100,6 +100,12 @@ class Steps:
                 self._first_step(opt)
                 closure = self._averaging(opt, closure)
             out = opt.step(self._cut_after(closure, opt), **step_kwargs)
+        if not self.me.feeding and self.me.on_cut is None:
+            # No make_loader feed cuts this loop's steps (batches moved with .to(device),
+            # made on the device): the step ends here, or its graph would grow step after
+            # step, a new program each. A plan (on_cut) ends its steps itself. (An
+            # MpDeviceLoader of the user's then skips its own cut, as after tu.sync().)
+            self.engine.sync()
         self.me.beat()
         self.me.reads.after_step()
         if self.me.on_step is not None:  # check_functionalization's count

@@ -64,6 +64,7 @@ class ReplicaLoader:
         self.position = n
         batches = iter(self.feed)
         meter = Meter()
+        self.replica.feeding += 1
         try:
             while True:
                 # The cut the feed makes before a batch, made here so that the clock
@@ -82,6 +83,7 @@ class ReplicaLoader:
                 self.position = n
                 yield self._transformed(batch)
         finally:  # stopped early (or failed): the feed's threads and workers stop too
+            self.replica.feeding -= 1
             self.input_wait = meter.result(epoch, self.loader.batch_size, self.loader.num_workers,
                                             self.source, spec.keyed)
             close = getattr(batches, "close", None)
