@@ -130,6 +130,7 @@ def test_checkpointing_is_tried_as_a_fix_and_bf16_weights_lower_the_peak_of_a_lo
     assert fix == checkpointed["config"]
     assert "fix: model.gradient_checkpointing_enable()" in r.stdout
     assert bf16["config"] == "as written" and bf16["error"] is None and bf16["peak"] < 700 * 2 ** 20
+    assert written["rows"] == bf16["rows"] == 8  # the batch, told from the bfloat16 weights too
 
 
 @jax_tests

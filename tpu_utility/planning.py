@@ -413,10 +413,14 @@ def _pending_tensors() -> list:
     return pending(live)
 
 
-def _models(opt) -> list:
-    """The outermost live modules that hold `opt`'s parameters."""
+def _models(opt, me=None) -> list:
+    """The outermost live modules that hold `opt`'s parameters (or the bfloat16 weights
+    whose float32 copies it steps)."""
     import torch
+    from . import step
+    from .replica import current
     mine = {id(p) for g in opt.param_groups for p in g["params"]}
+    mine |= {id(w) for _, w in step.of(me or current()).masters_of(opt)}
     modules = [m for m in gc.get_objects() if issubclass(type(m), torch.nn.Module)]
     holding = {id(m) for m in modules if any(id(p) in mine for p in m.parameters(recurse=False))}
     owners = [m for m in modules if any(id(c) in holding for c in m.modules())]
@@ -433,7 +437,7 @@ def _held_ids(opt, me) -> set:
     params = [p for g in opt.param_groups for p in g["params"]]
     held = params + [p.grad for p in params if p.grad is not None]
     held += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    held += [m for m, _ in step.of(me).masters_of(opt)]
+    held += [w for _, w in step.of(me).masters_of(opt)]  # tu.bf16_weights' model weights
     for model in _models(opt):
         held += list(model.parameters()) + list(model.buffers())
     return set(tensor_ids([t for t in held if t.device.type == "xla"]))
