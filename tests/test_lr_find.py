@@ -189,3 +189,37 @@ def test_a_sweep_over_a_few_noisy_labels_warns_its_suggestion_can_undo_a_fine_tu
     times = int(re.search(r"6 batches (\d+) times", warned[0]).group(1))
     assert 10 <= times <= 50, warned  # 300 steps at most, over 6 batches
     assert "fine-tun" in warned[0] and "max_lr from 1e-5" in warned[0] and f"({lr:.2g})" in warned[0]
+
+
+def _repeats_warnings(frozen=False, named=""):
+    """A sweep of 300 steps over 6 batches (50 passes) of a model trained from scratch: the
+    warning meant for fine-tunes, with each sign of one the model can show."""
+    import warnings
+    import torch
+    import torch.nn.functional as F
+    import tpu_utility as tu
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    if frozen:
+        model[0].requires_grad_(False)
+    if named:  # what from_pretrained records in a Hugging Face model's config
+        model.config = type("Config", (), {"_name_or_path": named})()
+    g = torch.Generator().manual_seed(3)
+    data = torch.utils.data.TensorDataset(torch.randn(48, 10, generator=g), torch.randint(0, 4, (48,), generator=g))
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = tu.lr_find(model, tu.make_loader(data, 8, num_workers=0), opt, F.cross_entropy, num_it=300)
+    return [str(w.message) for w in caught if "went over train_loader" in str(w.message)], res.confidence
+
+
+def test_the_fine_tune_warning_is_for_models_that_look_pretrained_not_from_scratch():
+    # Before, every sweep that went over its data 10 times warned, the README's main job's
+    # included, where the suggestion trains from scratch to 98.5%.
+    import tpu_utility as tu
+    scratch, confidence = tu.run(_repeats_warnings, cores=1, engine="torch")
+    assert scratch == [] and confidence > 0.9  # an untrained model's predictions: near uniform
+    (frozen,), _ = tu.run(_repeats_warnings, cores=1, engine="torch", args=(True,))
+    assert "part of the model is frozen" in frozen
+    (named,), _ = tu.run(_repeats_warnings, cores=1, engine="torch", args=(False, "bert-base-uncased"))
+    assert "loaded from 'bert-base-uncased'" in named

@@ -13,7 +13,7 @@ import io
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from ..amp import autocast_context
 from ..checks import check_int, check_optimizer_device, check_positive
@@ -56,6 +56,10 @@ class LRFindResult:
     compiles: int = 0
     transfers: int = 0
     plot: Optional[str] = None  # the PNG's path, when one was asked for
+    # The first step's prediction entropy over an untrained model's (log of the classes):
+    # near 1 from scratch, far below for a model that already knows the task. None: the
+    # output is not class scores.
+    confidence: Optional[float] = None
 
     @property
     def suggestion(self) -> Optional[float]:
@@ -162,7 +166,7 @@ def lr_find(model, train_loader, opt, loss_fn: Optional[Callable] = None, start_
             f"the suggestion ({_fmt(result.suggestion)}) as a guess, and compare a few max_lr "
             f"with short runs (or sweep longer, num_it={2 * s.num_it})", RuntimeWarning,
             stacklevel=2)
-    _warn_repeats(result, loader)
+    _warn_repeats(result, loader, _fine_tune_sign(model, result))
     if plot is not None and is_master():
         try:
             result.plot = atomic_write(plot, lambda f: f.write(result.png))
@@ -172,10 +176,32 @@ def lr_find(model, train_loader, opt, loss_fn: Optional[Callable] = None, start_
     return result
 
 
-def _warn_repeats(result: LRFindResult, loader) -> None:
-    """Warn when the sweep went over the training data `REPEATS` times or more: its curve
-    then shows how fast the model fits those examples, which for a fine-tune on a few
-    noisy labels points far too high (suggest.passes)."""
+CONFIDENT = 0.5  # a first step's entropy below half an untrained model's: it knows the task
+
+
+def _fine_tune_sign(model, result: LRFindResult) -> Optional[str]:
+    """Why the model looks like a fine-tune rather than a model trained from scratch, or
+    None: loaded with `from_pretrained` (its config names where from), part of it frozen,
+    or predictions that start far more confident than an untrained model's."""
+    name = getattr(getattr(model, "config", None), "_name_or_path", "")
+    if isinstance(name, str) and name:
+        return f"the model was loaded from {name!r}"
+    grads = {p.requires_grad for p in model.parameters()}
+    if grads == {True, False}:
+        return "part of the model is frozen"
+    if result.confidence is not None and result.confidence < CONFIDENT:
+        return (f"its first predictions are confident (entropy {result.confidence:.0%} of an "
+                f"untrained model's), as a pretrained model's are")
+    return None
+
+
+def _warn_repeats(result: LRFindResult, loader, sign: Optional[str]) -> None:
+    """Warn when the sweep went over the training data `REPEATS` times or more and the model
+    looks like a fine-tune (`sign`): the curve then shows how fast the model fits those
+    examples, which for a fine-tune on a few noisy labels points far too high
+    (suggest.passes). From scratch that is what the suggestion is for: no warning."""
+    if sign is None:
+        return
     try:
         batches = len(loader)
     except TypeError:  # no length: an iterable loader
@@ -185,9 +211,9 @@ def _warn_repeats(result: LRFindResult, loader) -> None:
         warnings.warn(
             f"lr_find: the sweep went over train_loader's {batches} batches {times:.0f} times, "
             f"so its suggestion ({_fmt(result.suggestion)}) is where the model fits these "
-            f"examples fastest: good when training from scratch, but when fine-tuning a "
-            f"pretrained model on few or noisy labels it can undo what the model knew, so "
-            f"there compare a few max_lr from 1e-5 up on held-out data", RuntimeWarning,
+            f"examples fastest, and {sign}: fine-tuning on few or noisy labels at that lr "
+            f"can undo what the model knew, so compare a few max_lr from 1e-5 up on held-out "
+            f"data", RuntimeWarning,
             stacklevel=3)
 
 
@@ -240,15 +266,17 @@ def _sweep_in_place(model, loader, opt, loss_fn, s: _Sweep) -> LRFindResult:
     was_training = model.training
     try:
         with masks_without_reads():
-            losses = _Sweeper(model, opt, loss_fn, s).losses(loader)
+            losses, entropy = _Sweeper(model, opt, loss_fn, s).losses(loader)
     finally:
         model.load_state_dict(model_state)
         opt.load_state_dict(opt_state)
         model.train(was_training)
         sync()
     counts1 = xla_counts()
-    return _result(losses, s, counts1["compiles"] - counts0["compiles"],
-                   counts1["transfers"] - counts0["transfers"])
+    result = _result(losses, s, counts1["compiles"] - counts0["compiles"],
+                     counts1["transfers"] - counts0["transfers"])
+    result.confidence = entropy
+    return result
 
 
 class _Sweeper:
@@ -264,6 +292,22 @@ class _Sweeper:
         sync()  # the copies and the running values become data before the first step
         self.raw: list = []
         self.stop = False
+        self.entropy = None  # the first step's, over log(classes): read with the losses
+        self._hook = model.register_forward_hook(self._first_output)
+
+    def _first_output(self, module, args, output) -> None:
+        """The first forward's mean prediction entropy over log(classes), on the device:
+        traced into the first step, which compiles once anyway (no read, no compile)."""
+        import torch
+        self._hook.remove()
+        logits = output if isinstance(output, torch.Tensor) else (
+            output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None))
+        if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() \
+                or logits.dim() not in (2, 3) or logits.shape[-1] < 2:
+            return
+        with torch.no_grad():
+            p = torch.log_softmax(logits.detach().float(), dim=-1)
+            self.entropy = -(p.exp() * p).sum(-1).mean() / math.log(logits.shape[-1])
 
     def losses(self, loader) -> List[float]:
         """Every step's loss (averaged over replicas): the sweep's one read."""
@@ -281,7 +325,10 @@ class _Sweeper:
             if not yielded:  # another pass would yield nothing either: never loop forever
                 raise ValueError(f"lr_find: train_loader yielded no batch ({len(loader)} "
                                  f"expected)")
-        return to_cpu(torch.stack(self.raw)).tolist()
+        self._hook.remove()
+        extra = [self.entropy.reshape(()).to(self.raw[0].dtype)] if self.entropy is not None else []
+        read = to_cpu(torch.stack(self.raw + extra)).tolist()
+        return (read[:-1], read[-1]) if extra else (read, None)
 
     def _step(self, batch) -> None:
         import torch
