@@ -118,15 +118,17 @@ def reference_one_cycle(epochs, global_batch, max_lr, n=1024, n_valid=256, seed=
 MAX_RAGGED = 44
 
 
-def make_tokenizer(padding_side="right"):
-    """A word-level fast tokenizer over VOCAB ids, made in memory: [PAD] is 0."""
+def make_tokenizer(padding_side="right", model_max_length=40):
+    """A word-level fast tokenizer over VOCAB ids, made in memory: [PAD] is 0. None for
+    `model_max_length`: no limit (transformers' default, 1e30)."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
     vocab = {"[PAD]": 0, "[UNK]": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
+    limit = {} if model_max_length is None else {"model_max_length": model_max_length}
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="[UNK]")),
                                    pad_token="[PAD]", unk_token="[UNK]", padding_side=padding_side,
-                                   model_max_length=40)
+                                   **limit)
 
 
 class RaggedTexts(torch.utils.data.Dataset):
@@ -147,26 +149,26 @@ class RaggedTexts(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": int(2 * low > len(ids))}
 
 
-def make_ragged_bert():
+def make_ragged_bert(positions=64):
     from transformers import BertConfig, BertForSequenceClassification
     torch.manual_seed(0)
     cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                     intermediate_size=64, max_position_embeddings=64, num_labels=2,
+                     intermediate_size=64, max_position_embeddings=positions, num_labels=2,
                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0)
     return BertForSequenceClassification(cfg)
 
 
-def ragged_loop(epochs=3, batch_size=2, n=256, buckets=None):
+def ragged_loop(epochs=3, batch_size=2, n=256, buckets=None, positions=64, limit=40):
     """The HF loop over ragged text, DataCollatorWithPadding as the collate: per-epoch
     compiles and every step's loss (read once an epoch)."""
     import tpu_utility as tu
     from tpu_utility.compat import xla_counts
     from transformers import DataCollatorWithPadding, get_linear_schedule_with_warmup
     device = tu.get_device()
-    model = make_ragged_bert().to(device)
+    model = make_ragged_bert(positions).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loader = tu.make_loader(RaggedTexts(n, 0), batch_size, num_workers=0, buckets=buckets,
-                            collate_fn=DataCollatorWithPadding(make_tokenizer()))
+                            collate_fn=DataCollatorWithPadding(make_tokenizer(model_max_length=limit)))
     sched = get_linear_schedule_with_warmup(opt, 4, epochs * len(loader))
     compiles, losses, lengths = [], [], set()
     for epoch in range(epochs):
@@ -185,12 +187,12 @@ def ragged_loop(epochs=3, batch_size=2, n=256, buckets=None):
     return {"compiles": compiles, "losses": losses, "lengths": sorted(lengths)}
 
 
-def reference_ragged(epochs=3, global_batch=16, n=256, seed=0):
+def reference_ragged(epochs=3, global_batch=16, n=256, seed=0, positions=64, limit=40):
     """The same loop in plain CPU torch, each batch padded exactly to its longest row, in
     make_loader's order: per-step losses, and each batch's length."""
     from transformers import DataCollatorWithPadding, get_linear_schedule_with_warmup
-    data, collate = RaggedTexts(n, 0), DataCollatorWithPadding(make_tokenizer())
-    model = make_ragged_bert()
+    data, collate = RaggedTexts(n, 0), DataCollatorWithPadding(make_tokenizer(model_max_length=limit))
+    model = make_ragged_bert(positions)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     steps = n // global_batch
     sched = get_linear_schedule_with_warmup(opt, 4, epochs * steps)

@@ -177,3 +177,26 @@ def test_seq2seq_labels_that_do_not_line_up_with_the_inputs_are_left_as_the_coll
     with torch.no_grad():
         ours, plain = model(**batch).loss, model(**exact).loss
     assert torch.allclose(ours, plain, atol=1e-6), (ours, plain)
+
+
+def test_text_is_never_padded_past_the_positions_of_the_model_it_feeds(run_script):
+    # A BERT of 44 positions, a tokenizer with no limit (transformers' 1e30), texts of 4-44
+    # tokens: plain CPU torch runs them. Before, a batch of 33-44 columns was padded to the
+    # bucket 48 and the user's own loop failed in the model with "The expanded size of the
+    # tensor (48) must match the existing size (44)". make_loader now finds the model's
+    # limit in the replica that trains, and pads to 44 at most.
+    r = run_script("""
+        import functools, json
+        import tpu_utility as tu, hf_fns
+
+        if __name__ == "__main__":
+            kw = dict(epochs=1, n=64, positions=44, limit=None)
+            loop = functools.partial(hf_fns.ragged_loop, batch_size=16, **kw)
+            out = tu.run(loop, cores=1, start_method="fork")
+            ref = hf_fns.reference_ragged(global_batch=16, **kw)
+            print("RESULT", json.dumps({"out": out, "ref": ref}))
+    """, timeout=200).result
+    out, ref = r["out"], r["ref"]
+    assert max(ref["lengths"]) > 32, ref  # a batch the ladder would pad to 48
+    assert max(out["lengths"]) == 44 and set(out["lengths"]) <= {16, 24, 32, 44}, out
+    assert max(abs(a - b) for a, b in zip(out["losses"], ref["losses"])) < 1e-5, r

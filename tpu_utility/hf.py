@@ -132,3 +132,32 @@ def logits_and_labels(output, inputs, who: str = "metrics"):
                          f"(a dict with 'logits'), or pass loss_fn= and return the logits")
     labels = inputs.get("labels", inputs.get("label")) if isinstance(inputs, Mapping) else None
     return logits, labels
+
+
+def position_limit():
+    """The fewest positions a Hugging Face model alive in this process takes (its config's
+    `max_position_embeddings`, GPT-2's `n_positions` by its alias), or None: make_loader
+    never pads text past it, where a BERT-like model, numbering every column, would fail
+    on a length it never saw in the data. Found once per loader, in the process that
+    trains, by looking for the models (about 0.2 s where a model is alive): the loader
+    never sees the model a user's own loop calls, and a tokenizer may have no limit.
+
+    Example:
+        >>> position_limit() is None  # no transformers model made here
+        True
+    """
+    import gc
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if modeling is None:  # no model class was ever loaded: no model exists
+        return None
+    classes, todo = set(), [modeling.PreTrainedModel]
+    while todo:
+        cls = todo.pop()
+        if cls not in classes:
+            classes.add(cls)
+            todo.extend(cls.__subclasses__())
+    # type(), not isinstance: some module objects warn when their __class__ is asked
+    limits = [getattr(getattr(o, "config", None), "max_position_embeddings", None)
+              for o in gc.get_objects() if type(o) in classes]
+    limits = [n for n in limits if isinstance(n, int) and not isinstance(n, bool) and n > 0]
+    return min(limits, default=None)

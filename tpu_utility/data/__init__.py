@@ -75,7 +75,8 @@ def make_loader(data=None, batch_size: Optional[int] = None, shuffle: Optional[b
     Text padded per batch (`collate_fn=DataCollatorWithPadding(tokenizer)`, or any collate
     that pads dict samples of different lengths to the batch's longest) is padded further,
     on the right, to the next of a few lengths (16, 24, 32, 48, 64, 96, 128, ...; never
-    past the collate's `tokenizer.model_max_length`): XLA compiles the step once per
+    past the collate's `tokenizer.model_max_length`, nor past the positions of a Hugging
+    Face model alive where it trains): XLA compiles the step once per
     length, not once per batch. The `attention_mask` keeps the padding out of the outputs
     and the loss; `input_ids` get the tokenizer's pad token and other per-token tensors
     what the collate padded them with (`labels`: -100). `buckets=True` pads every dict

@@ -74,7 +74,8 @@ class Bucketed:
         self.batch, self.where, self.fills = batch, where, fills
 
 
-def padded_to_bucket(batch: Any, samples: list, buckets: Buckets, collate_fn=None):
+def padded_to_bucket(batch: Any, samples: list, buckets: Buckets, collate_fn=None,
+                     positions: Optional[int] = None):
     """(`batch` with its sequence tensors padded on the right to a bucket length, the
     fill of each), when it is a mapping with a 2-D `attention_mask`: always with `buckets`
     True or lengths, and with None (the default) when the collate padded the samples to
@@ -92,6 +93,8 @@ def padded_to_bucket(batch: Any, samples: list, buckets: Buckets, collate_fn=Non
         samples: the samples it collated.
         buckets: make_loader's `buckets=` (not False).
         collate_fn: the user's collate (its `tokenizer` gives the pad token and limit).
+        positions: the fewest positions a model here takes (hf.position_limit()), a limit
+            as the tokenizer's is.
     """
     import torch
     if not isinstance(batch, Mapping):
@@ -105,6 +108,8 @@ def padded_to_bucket(batch: Any, samples: list, buckets: Buckets, collate_fn=Non
     tokenizer = getattr(collate_fn, "tokenizer", None)
     cap = getattr(tokenizer, "model_max_length", None)
     cap = cap if isinstance(cap, int) and cap < 10 ** 6 else None  # HF's "no limit" is 1e30
+    if positions is not None:
+        cap = positions if cap is None else min(cap, positions)
     masked = mask == 0
     fills = {key: _fill(key, value, masked, getattr(tokenizer, "pad_token_id", None))
              for key, value in batch.items() if isinstance(value, torch.Tensor) and

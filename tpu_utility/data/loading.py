@@ -138,6 +138,7 @@ class Collate:
 
     def __init__(self, collate_fn, padded: bool = False, buckets: Buckets = None):
         self.collate_fn, self.padded, self.buckets = collate_fn, padded, buckets
+        self.positions = None  # a model's limit, set by the training process (pipeline.Guard)
 
     def __call__(self, samples):
         import torch
@@ -161,7 +162,8 @@ class Collate:
             raise TypeError(differ) from e
         fills, where = None, ()
         if self.buckets is not False:
-            batch, fills = padded_to_bucket(batch, samples, self.buckets, self.collate_fn)
+            batch, fills = padded_to_bucket(batch, samples, self.buckets, self.collate_fn,
+                                            self.positions)
         if valid is not None:
             batch, where = (batch, valid), (0,) + where
         if keys is not None:

@@ -94,6 +94,7 @@ class Guard:
         self.loader = loader
         self.shapes: set = set()  # batch shapes seen, over every epoch, less the batch dimension
         self.settle = Settle()  # the bucket lengths of ragged text met in the first epoch
+        self.looked = False  # for the models' position limit (hf.position_limit)
         self.epochs = 0  # begun
         self.error: Optional[BaseException] = None
         self.skipped: List[Tuple[int, str]] = []
@@ -109,6 +110,11 @@ class Guard:
         return len(self.loader)
 
     def __iter__(self):
+        collate = self.loader.collate_fn
+        if not self.looked and isinstance(collate, Collate) and collate.buckets is not False:
+            # once, before the workers start (they take the collate as it is now)
+            from ..hf import position_limit
+            collate.positions, self.looked = position_limit(), True
         try:
             for batch in self.loader:
                 if isinstance(batch, WithSkips):
