@@ -235,6 +235,29 @@ def xla_counts() -> dict:
             "transfers": count("TransferFromDeviceTime")[0]}
 
 
+def graph_compiles() -> int:
+    """Programs compiled from traced graphs so far (not the runtime's own, for reading a
+    split tensor); 0 when torch_xla is not in use. About a microsecond: read every step."""
+    if sys.modules.get("torch_xla") is None:
+        return 0
+    return importlib.import_module("torch_xla.debug.metrics").counter_value("UncachedCompile") or 0
+
+
+def pending_ir(tensors: list):
+    """The IR text of the graph that would compute `tensors` (XLA tensors not yet run), or
+    None: its device_data lines give the program's inputs and their shapes."""
+    import torch
+    xla = [t for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "xla"]
+    if not xla:
+        return None
+    import torch_xla
+    try:
+        torch_xla._XLAC._xla_wait_device_ops(devices=[])  # as pending_program: no read in flight
+        return torch_xla._XLAC._get_xla_tensors_text(xla)
+    except RuntimeError:  # a diagnostic never fails the step it looks at
+        return None
+
+
 FUNCTIONALIZATION_ENV = "XLA_DISABLE_FUNCTIONALIZATION"
 
 

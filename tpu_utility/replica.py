@@ -3,7 +3,8 @@
 A replica is a record: its engine (the backend: device, feed, collectives), the
 heartbeat run's stall watch reads, the stop board its preemption agrees on, whether its
 random streams were moved apart, the weak sets of what it already made identical across
-replicas, the lines that read the device (`reads`), and one optional hook called after
+replicas, the lines that read the device (`reads`), the steps that compiled again
+(`compiles`), and one optional hook called after
 each optimizer step and one at each step cut of a make_loader feed (`tu.plan`'s). `run`
 makes one per replica and makes it current (`activate`, the
 only writer of the one ContextVar); outside `run` each process has one of its own. What
@@ -23,6 +24,7 @@ from . import rng
 from .engines import Engine, outside_run
 from .launch.preemption import StopBoard
 from .reads import ReadWatch
+from .recompiles import CompileWatch
 
 if TYPE_CHECKING:
     from .launch.stall import Beat
@@ -56,6 +58,7 @@ class Replica:
         self._synced_tensors: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
         self.synced_models: "weakref.WeakSet" = weakref.WeakSet()  # sync_module's: the loops' models
         self.reads = ReadWatch()  # the lines that read the device in the second step
+        self.compiles = CompileWatch()  # the steps that compile again after the first few
         self.on_step: Optional[Callable[[Any], None]] = None  # called with each stepped optimizer
         self.on_cut: Optional[Callable[[], None]] = None  # called at each make_loader step cut
         self.feeding = 0  # make_loader epochs being iterated here: each cuts the graph a batch

@@ -86,7 +86,8 @@ def report(history=None, *, verbose: bool = True) -> XlaReport:
         sites, loaders, waits, shapes = [], [], [], []
     from . import step
     from .replica import current
-    rep.hints = hints(rep, history, sites, loaders, waits, shapes, reads=current().reads.sites)
+    rep.hints = hints(rep, history, sites, loaders, waits, shapes, reads=current().reads.sites,
+                      recompiling=current().compiles.hint())
     rep.engine = _engine_line()
     rep.memory = with_peak(step.of().memory)
     if rep.memory is not None and rep.memory.peak and rep.memory.limit \
@@ -176,13 +177,14 @@ def _at(sites, kind: str) -> str:
 
 
 def hints(rep: XlaReport, history=None, sites=(), loaders=(), waits=(), shapes=(),
-          reads=()) -> List[str]:
+          reads=(), recompiling: Optional[str] = None) -> List[str]:
     """One-line advice for the patterns that make TPU runs slow, naming the lines of
     `sites` ((kind, where, code) from `caller_code`) that cause them, the input
     pipeline's measured wait and the device's wait on Python (the History's last epoch,
     else the loader epoch of `waits` that waited most), the loader whose batches
     change shape (`shapes`) when compiles keep coming, and the lines that read the
-    device in the watched step (`reads`, `reads.Site`), a library's named as such."""
+    device in the watched step (`reads`, `reads.Site`), a library's named as such, and
+    the optimizer steps that kept compiling (`recompiling`, recompiles.CompileWatch's)."""
     out = []
     # reads seen in the user's own code (a model's forward: not in the source read above)
     sites = list(sites) + [("item", r.where, r.code) for r in reads
@@ -216,6 +218,8 @@ def hints(rep: XlaReport, history=None, sites=(), loaders=(), waits=(), shapes=(
     elif growing:
         out.append("compiles kept growing after the first epoch: dynamic shapes? use "
                    "drop_last=True (make_loader's default for training) and fixed-size inputs")
+    elif recompiling:
+        out.append(recompiling)
     elif churning:
         out.append(f"{graphs} compiles for {rep.executions} executions: graphs keep "
                    f"changing; dynamic shapes (drop_last=True), or Python ints/0.0/1.0 fed "

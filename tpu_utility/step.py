@@ -100,6 +100,7 @@ class Steps:
                 self._first_step(opt)
                 closure = self._averaging(opt, closure)
             out = opt.step(self._cut_after(closure, opt), **step_kwargs)
+        self.me.compiles.before_cut(lambda: _params(opt))
         if not self.me.feeding and self.me.on_cut is None:
             # No make_loader feed cuts this loop's steps (batches moved with .to(device),
             # made on the device): the step ends here, or its graph would grow step after
@@ -108,6 +109,7 @@ class Steps:
             self.engine.sync()
         self.me.beat()
         self.me.reads.after_step()
+        self.me.compiles.after_step()
         if self.me.on_step is not None:  # check_functionalization's count
             self.me.on_step(opt)
         return out
