@@ -663,6 +663,23 @@ def main(model):
     if tu.is_master() and True:
         print(tu.world_size(), tu.rank())
 '''),
+    Case('accelerate.distributed-type', '''\
+from accelerate import Accelerator, DistributedType
+
+
+def main(model):
+    accelerator = Accelerator(mixed_precision="bf16")
+    if accelerator.distributed_type == DistributedType.TPU:
+        model.tie_weights()
+''', '''\
+from accelerate import Accelerator, DistributedType
+
+
+def main(model):
+    accelerator = Accelerator(mixed_precision="bf16")
+    if accelerator.distributed_type == DistributedType.XLA:
+        model.tie_weights()
+''', notes=('accelerate.accelerator',)),
     Case('io.save-pretrained', '''\
 def main(model, tokenizer, out):
     model.train()

@@ -8,6 +8,12 @@ TorchFunctionMode: every torch call of that step passes through it, and the call
 a device tensor into a Python value (`.item()`, `bool()`, `in`, `.tolist()`, ...) are
 recorded with the first line outside torch that made them. One step's calls through Python
 cost about a millisecond on a small transformer; the steps after it run as before.
+
+A mode passes each call on by calling the function torch dispatched, which for a Tensor
+method is whatever `torch.Tensor.<name>` is then: a wrapper a script put there runs again
+inside the first call. For `backward` (a script counting its steps by wrapping it: issue
+60 saw one backward more than batches, the watched step's loss twice) the mode runs
+autograd itself, as `Tensor.backward` does, so the wrapper runs once a step.
 """
 from __future__ import annotations
 
@@ -108,6 +114,7 @@ class ReadWatch:
             self.close()
 
     def _start(self) -> None:
+        import torch
         from torch.overrides import TorchFunctionMode
         skipped, sites = _skipped_dirs(), self.sites
 
@@ -125,6 +132,13 @@ class ReadWatch:
                                     linecache.getline(code.co_filename, frame.f_lineno).strip())
                         if site not in sites:
                             sites.append(site)
+                if func is torch.Tensor.backward and type(args[0]) is torch.Tensor:
+                    # what Tensor.backward does past its own dispatch to this mode: calling
+                    # `func` would run a wrapper the script put on Tensor.backward (a count of
+                    # its steps) a second time, with the same loss
+                    return torch.autograd.backward(
+                        args[0], kwargs.get("gradient"), kwargs.get("retain_graph"),
+                        kwargs.get("create_graph", False), inputs=kwargs.get("inputs"))
                 return func(*args, **kwargs)
 
         self._mode = Watch()

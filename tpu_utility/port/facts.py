@@ -247,6 +247,21 @@ def dotted(node) -> str:
     return ""
 
 
+def call_name(call) -> str:
+    """The name a call is known by when it may train: its dotted name (`loops.train`,
+    `Loop.train`), or `Trainer().train` for a method called on the instance a class's call
+    makes (`Trainer(model, opt).train(loader)`); '' for any other call.
+
+    Example:
+        >>> [call_name(ast.parse(c).body[0].value) for c in ("t.fit(x)", "T(m, o).fit(x)", "f()(x)")]
+        ['t.fit', 'T().fit', '']
+    """
+    func = call.func
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Call) and dotted(func.value.func):
+        return f"{dotted(func.value.func)}().{func.attr}"
+    return dotted(func)
+
+
 def method(call) -> str:
     """'item' for `x.item()`; '' for a call of a plain name or of an expression."""
     return call.func.attr if isinstance(call.func, ast.Attribute) else ""

@@ -7,7 +7,8 @@ import os
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-from .classes import init_moves as own_init_moves, instance_calls, training_methods
+from .classes import (class_calls, count_training_calls, init_moves as own_init_moves,
+                      own_optimizer_attributes, training_methods)
 from .edits import apply, output_line, split_lines
 from .facts import module_facts
 from .magics import mask_magics
@@ -64,7 +65,8 @@ def parse(source: str) -> ast.Module:
 
 def port_source(source: str, optimizers: Optional[set] = None,
                 train_fns: Optional[set] = None, *, script: bool = False,
-                init_moves: Optional[dict] = None) -> PortResult:
+                init_moves: Optional[dict] = None,
+                class_optimizers: Optional[dict] = None) -> PortResult:
     """The swaps for one piece of Python source (a script, or a notebook cell).
 
     Args:
@@ -77,6 +79,9 @@ def port_source(source: str, optimizers: Optional[set] = None,
             they are, with a note.
         init_moves: {class, as this source names it: the arguments its __init__ moves to
             the device}, of other modules' classes (classes.py); its own are added.
+        class_optimizers: {class of this source: its attributes that hold an optimizer,
+            from every call of it the project makes} (classes.py); where None, from the
+            calls in `source`.
 
     Example:
         >>> print(port_source("opt = torch.optim.SGD(m.parameters(), lr=0.1)\\nopt.step()\\n").text)
@@ -89,18 +94,23 @@ def port_source(source: str, optimizers: Optional[set] = None,
     optimizers = optimizers if optimizers is not None else set()
     optimizers.update(facts.optimizers)
     train_fns = train_fns if train_fns is not None else set()
-    train_fns |= instance_calls(tree, training_methods(tree))  # `trainer.train(loader)`
+    # `trainer.train(loader)`, `Trainer(model).train(loader)`, `Loop.train(...)`
+    train_fns |= class_calls(tree, training_methods(tree, train_fns))
+    if class_optimizers is None:
+        class_optimizers = own_optimizer_attributes(tree, optimizers)
     init_moves = {**(init_moves or {}), **own_init_moves(tree)}
     wrapped = None
+    count_training_calls(facts, training_functions(facts.functions, train_fns) | train_fns)
     if script:
-        known = training_functions(facts.functions, train_fns)
+        known = training_functions(facts.functions, train_fns) | train_fns
         wrapped = wrap_top_level(source, tree, lambda stmt, in_guard: trains(stmt, in_guard, facts, known))
         if wrapped is not None:
             source = wrapped.text
             tree = parse(source)
             facts = module_facts(tree)
+            count_training_calls(facts, known)
     finder = Finder(split_lines(source), facts, optimizers, train_fns=train_fns,
-                    init_moves=init_moves)
+                    init_moves=init_moves, class_optimizers=class_optimizers)
     finder.visit(tree)
     finder.passes(tree)
     edits, notes = finder.edits, finder.notes

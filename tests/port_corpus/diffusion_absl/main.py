@@ -1,6 +1,8 @@
 """A diffusion-like run: a denoiser trained to predict the noise added to samples, an EMA
 copy of it, an endless generator over a DataLoader, absl flags and app.run, and the
-device chosen at module level.
+device chosen at module level. The optimizer and its warmup schedule are made before the
+model moves inside the trainer made over two lines (issue 60), the trainer and the
+sampler in a module of their own.
 
 Written for tpu_utility's tests in the shape of public diffusion training scripts. The
 noise and time steps come with the data, so that runs on different devices draw alike.
@@ -9,10 +11,10 @@ import copy
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from absl import app, flags
 from torch.utils.data import DataLoader, TensorDataset
 
+from diffusion import GaussianDiffusionSampler, GaussianDiffusionTrainer
 from models.denoiser import TinyDenoiser
 
 FLAGS = flags.FLAGS
@@ -22,6 +24,9 @@ flags.DEFINE_float("lr", 5e-3, "learning rate")
 flags.DEFINE_float("ema_decay", 0.9, "EMA decay")
 flags.DEFINE_bool("parallel", False, "multi-GPU training")
 flags.DEFINE_integer("T", 10, "diffusion steps")
+flags.DEFINE_float("beta_1", 1e-4, "start beta")
+flags.DEFINE_float("beta_T", 0.02, "end beta")
+flags.DEFINE_integer("warmup", 3, "learning rate warmup")
 
 device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
 
@@ -39,18 +44,8 @@ def infiniteloop(dataloader):
             yield x, noise, t
 
 
-class GaussianDiffusionTrainer(nn.Module):
-    def __init__(self, model, beta_1, beta_T, T):
-        super().__init__()
-        self.model = model
-        self.register_buffer("betas", torch.linspace(beta_1, beta_T, T).double())
-        alphas_bar = torch.cumprod(1.0 - self.betas, dim=0)
-        self.register_buffer("sqrt_alphas_bar", torch.sqrt(alphas_bar).float())
-        self.register_buffer("sqrt_one_minus_alphas_bar", torch.sqrt(1.0 - alphas_bar).float())
-
-    def forward(self, x_0, noise, t):
-        x_t = self.sqrt_alphas_bar[t][:, None] * x_0 + self.sqrt_one_minus_alphas_bar[t][:, None] * noise
-        return F.mse_loss(self.model(x_t, t), noise, reduction="none")
+def warmup_lr(step):
+    return min(step + 1, FLAGS.warmup) / FLAGS.warmup
 
 
 def train():
@@ -66,11 +61,14 @@ def train():
     net_model = TinyDenoiser(steps=FLAGS.T)
     ema_model = copy.deepcopy(net_model)
     optim = torch.optim.Adam(net_model.parameters(), lr=FLAGS.lr)
-    trainer = GaussianDiffusionTrainer(net_model, 1e-4, 0.02, FLAGS.T).to(device)
-    ema_model.to(device)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda=warmup_lr)
+    trainer = GaussianDiffusionTrainer(
+        net_model, FLAGS.beta_1, FLAGS.beta_T, FLAGS.T).to(device)
+    ema_sampler = GaussianDiffusionSampler(
+        ema_model, FLAGS.beta_1, FLAGS.beta_T, FLAGS.T).to(device)
     if FLAGS.parallel:
         trainer = nn.DataParallel(trainer)
-        ema_model = nn.DataParallel(ema_model)
+        ema_sampler = nn.DataParallel(ema_sampler)
 
     for step in range(FLAGS.total_steps):
         optim.zero_grad()
@@ -80,8 +78,12 @@ def train():
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net_model.parameters(), 1.0)
         optim.step()
+        sched.step()
         ema(net_model, ema_model, FLAGS.ema_decay)
         print("step %d LOSS %.6f" % (step, loss.item()))
+    with torch.no_grad():
+        x_T = torch.randn(4, 8, generator=gen).to(device)
+        print("EMA sample LOSS %.6f" % ema_sampler(x_T).pow(2).mean().item())
 
 
 def main(argv):

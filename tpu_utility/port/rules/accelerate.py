@@ -4,8 +4,9 @@ and feeds the data, tu.optimizer_step averages the gradients: `accelerator.prepa
 only the model's move to the device, and each other call has tu's or torch's equivalent.
 
 An accelerator with a use outside the tables below (`accelerator.accumulate`,
-`save_state`, passing the accelerator on) is left alone, every line of it, with a note
-naming the first such use: half a port would fail at run time.
+`save_state`, passing the accelerator on, a setting such as `mixed_precision=`) is left
+alone, every line of it, with one note at its line naming the first such use and what
+keeping it means on XLA: half a port would fail at run time.
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ _CALLS = {
     "gather": None,
     "gather_for_metrics": None,
     "autocast": None,
+    # each replica prepares its data itself (tu.run's SPMD is one process)
+    "main_process_first": "contextlib.nullcontext",
 }
 # accelerator.<method>(...) statements that go: tu.run and make_loader do their work
 _GONE = ("wait_for_everyone", "free_memory", "end_training", "init_trackers", "log")
@@ -42,6 +45,8 @@ _ATTRIBUTES = {
     "sync_gradients": "True",
     "save": "tu.save",
 }
+# Accelerator(...) settings whose loss changes nothing port keeps: the trackers go
+_SETTINGS = ("log_with", "project_dir", "project_config")
 _GATHER_NOTE = ("under SPMD (one TPU host's default) each batch already holds every device's "
                 "rows; with engine='launch' or on a pod each replica has its share: collect "
                 "the outputs and use tu.gather(torch.cat(outputs), loader)")
@@ -53,38 +58,74 @@ def accelerators(ctx: Context) -> Dict[str, Optional[ast.AST]]:
     found = ctx.memo.get("accelerators")
     if found is None:
         tree = ctx.facts.tree
-        names = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign)
-                 and isinstance(n.value, ast.Call) and dotted(n.value.func).split(".")[-1] == "Accelerator"
+        names = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and _made(n.value)
                  for t in n.targets if isinstance(t, ast.Name)}
         found = ctx.memo["accelerators"] = {name: _unmapped(ctx, name) for name in names}
     return found
 
 
+def _made(value) -> bool:
+    """`Accelerator(...)`, or one of two made either way: `Accelerator(log_with=...) if
+    args.with_tracking else Accelerator()` (transformers' no_trainer scripts)."""
+    if isinstance(value, ast.IfExp):
+        return _made(value.body) and _made(value.orelse)
+    return isinstance(value, ast.Call) and dotted(value.func).split(".")[-1] == "Accelerator"
+
+
 def _unmapped(ctx: Context, name: str) -> Optional[ast.AST]:
+    """The first use of accelerator `name` that port cannot map, in the file's order."""
+    return min(_unmapped_uses(ctx, name), key=lambda n: (n.lineno, n.col_offset), default=None)
+
+
+def _unmapped_uses(ctx: Context, name: str):
     for node in ast.walk(ctx.facts.tree):
         if not (isinstance(node, ast.Name) and node.id == name):
             continue
         parent, _ = ctx.facts.parents.get(id(node), (None, ""))
-        if isinstance(node.ctx, ast.Store) and isinstance(parent, ast.Assign) and \
-                isinstance(parent.value, ast.Call) and dotted(parent.value.func).endswith("Accelerator"):
-            continue  # the assignment itself
+        if isinstance(node.ctx, ast.Store) and isinstance(parent, ast.Assign) and _made(parent.value):
+            # the assignment itself; a setting that tu.run would lose (mixed_precision=,
+            # gradient_accumulation_steps=) is a use port cannot map
+            yield from (k for n in ast.walk(parent.value) if isinstance(n, ast.Call)
+                        for k in n.keywords if k.arg not in _SETTINGS)
+            continue
         if not isinstance(parent, ast.Attribute):
-            return node  # passed on, returned, ...
+            yield node  # passed on, returned, ...
+            continue
         grand, field = ctx.facts.parents.get(id(parent), (None, ""))
         is_call = isinstance(grand, ast.Call) and field == "func"
         attr = parent.attr
         if attr == "prepare" and is_call and _prepared(ctx, grand) is None:
-            return grand
+            yield grand
+            continue
         if is_call and attr not in _CALLS and attr not in _GONE and attr != "prepare":
-            return grand
+            yield grand
+            continue
         if is_call and attr in _CALLS and _CALLS[attr] is None and attr != "autocast" and \
                 (len(grand.args) != 1 or grand.keywords):  # backward(loss, retain_graph=True)
-            return grand
-        if not is_call and attr not in _ATTRIBUTES:
-            return parent
+            yield grand
+            continue
+        if not is_call and _attribute(ctx, attr) is None:
+            yield parent
+            continue
         if attr in _GONE and not isinstance(ctx.facts.parents.get(id(grand), (None,))[0], ast.Expr):
-            return grand
+            yield grand
+
+
+def _attribute(ctx: Context, attr: str) -> Optional[str]:
+    """What `accelerator.<attr>` read as a value becomes; None where port cannot tell."""
+    if attr in _ATTRIBUTES:
+        return _ATTRIBUTES[attr]
+    if attr == "mixed_precision":  # an Accelerator(mixed_precision=...) stays (_SETTINGS)
+        return '"no"'  # port's script runs under tu.run, not `accelerate launch`
+    if attr == "distributed_type" and _imported_name(ctx, "DistributedType"):
+        return "DistributedType.XLA"
     return None
+
+
+def _imported_name(ctx: Context, name: str) -> bool:
+    """Whether `from accelerate[...] import name` binds `name` in the module."""
+    return any(isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "accelerate"
+               and any((a.asname or a.name) == name for a in n.names) for n in ast.walk(ctx.facts.tree))
 
 
 def _prepared(ctx: Context, call: ast.Call) -> Optional[List[tuple]]:
@@ -155,7 +196,9 @@ def _call(ctx: Context, node: ast.Call) -> None:
     attr = node.func.attr
     callee = _CALLS[attr]
     if callee is not None:
-        ctx.edits.replace(node.func, callee, f"accelerator.{attr} -> {callee}")
+        if ctx.edits.replace(node.func, callee, f"accelerator.{attr} -> {callee}") and \
+                callee.startswith("contextlib."):
+            ctx.memo["contextlib"] = True  # runtime.import-contextlib adds the import
     elif attr == "autocast":
         ctx.edits.replace(node, "tu.autocast()", "accelerator.autocast() -> tu.autocast()")
     else:  # one argument (accelerators() saw to it)
@@ -188,9 +231,8 @@ RULES = [
          inside=False),
     Rule("accelerate.accelerator", "`accelerator = Accelerator(...)` goes: tu.run starts the "
          "replicas (an accelerator with a use port cannot map stays, and is listed)", ast.Assign,
-         lambda ctx, node: isinstance(node.value, ast.Call) and len(node.targets) == 1 and
-         dotted(node.targets[0]) in accelerators(ctx) and
-         dotted(node.value.func).split(".")[-1] == "Accelerator",
+         lambda ctx, node: _made(node.value) and len(node.targets) == 1 and
+         dotted(node.targets[0]) in accelerators(ctx),
          lambda ctx, node: _accelerator(ctx, node), inside=False),
     Rule("accelerate.prepare", "`model, opt, dl = accelerator.prepare(model, opt, dl)` "
          "becomes `model = model.to(tu.get_device())`", ast.Assign,
@@ -204,13 +246,14 @@ RULES = [
          inside=False),
     Rule("accelerate.call", "accelerator.backward(loss) becomes loss.backward(); .print, "
          ".save, .unwrap_model(m), .clip_grad_norm_, .autocast() and .gather(x) become tu's "
-         "or torch's (gather: x, under SPMD)", ast.Call,
+         "or torch's (gather: x, under SPMD); .main_process_first() contextlib.nullcontext()", ast.Call,
          lambda ctx, node: _mapped(ctx, node.func) and node.func.attr in _CALLS, _call),
     Rule("accelerate.attribute", "accelerator.device, .is_main_process, .num_processes, "
-         ".process_index become tu's", ast.Attribute,
-         lambda ctx, node: _mapped(ctx, node) and node.attr in _ATTRIBUTES,
-         lambda ctx, node: ctx.edits.replace(node, _ATTRIBUTES[node.attr],
-                                             f"accelerator.{node.attr} -> {_ATTRIBUTES[node.attr]}")),
+         ".process_index become tu's; .mixed_precision `\"no\"` (unset), "
+         ".distributed_type `DistributedType.XLA`", ast.Attribute,
+         lambda ctx, node: _mapped(ctx, node) and _attribute(ctx, node.attr) is not None,
+         lambda ctx, node: ctx.edits.replace(node, _attribute(ctx, node.attr),
+                                             f"accelerator.{node.attr} -> {_attribute(ctx, node.attr)}")),
 ]
 
 
@@ -220,8 +263,34 @@ def _accelerator(ctx: Context, node: ast.Assign) -> None:
     if unmapped is None:
         ctx.remove(node, "Accelerator() -> removed (tu.run starts the replicas)")
         return
-    ctx.notes.add(unmapped.lineno, f"`{ctx.edits.source(unmapped)}`: port maps accelerator.prepare, "
-                  f".backward, .device, .print, .save, .gather and the like, not this; the "
-                  f"accelerator is left as it is: replace its uses by hand (tu.run starts the "
-                  f"replicas, make_loader shards the data, tu.optimizer_step averages the "
-                  f"gradients)")
+    use = ctx.edits.source(unmapped).splitlines()[0]
+    more = len({(n.lineno, n.col_offset) for n in _unmapped_uses(ctx, name)}) - 1
+    others = f" nor {more} other use{'s' if more > 1 else ''} of it" if more else ""
+    ctx.notes.add(node.lineno, f"`{name}` stays, with all its uses, as port cannot map "
+                  f"`{use}` (original line {unmapped.lineno}){others}: on XLA its prepare still "
+                  f"wraps the optimizer (stepped by torch_xla inside tu.optimizer_step) and a "
+                  f"schedule (stepped once per process: 8 times a step with engine='launch' on "
+                  f"a v5e-8), and shards a DataLoader given to it again (make_loader's passes "
+                  f"through); replace those uses by hand and port again, and port removes "
+                  f"the accelerator (tu.run starts the replicas, make_loader shards the data, "
+                  f"tu.optimizer_step averages the gradients)")
+
+
+def _distributed_type(ctx: Context, node) -> bool:
+    """`DistributedType.TPU`, a name accelerate 1.x no longer has (XLA since 0.28)."""
+    return isinstance(node, ast.Attribute) and node.attr == "TPU" and \
+        dotted(node.value).split(".")[-1] == "DistributedType" and _imports_accelerate(ctx)
+
+
+def _imports_accelerate(ctx: Context) -> bool:
+    return any(isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "accelerate"
+               or isinstance(n, ast.Import) and any(a.name.split(".")[0] == "accelerate" for a in n.names)
+               for n in ast.walk(ctx.facts.tree))
+
+
+RULES.append(Rule(
+    "accelerate.distributed-type", "`DistributedType.TPU` becomes `DistributedType.XLA`: "
+    "accelerate 1.x has no TPU (AttributeError), and XLA is its name since 0.28", ast.Attribute,
+    _distributed_type,
+    lambda ctx, node: ctx.edits.replace(node, f"{ctx.edits.source(node.value)}.XLA",
+                                        "DistributedType.TPU -> DistributedType.XLA")))

@@ -156,14 +156,32 @@ def fed_by_loader(loop, facts: ModuleFacts) -> bool:
         it = it.args[0]
     if isinstance(it, ast.Attribute):
         return True
-    if not isinstance(it, ast.Name):
+    return _loader_value(it, facts, set())
+
+
+# calls whose result is the loader they are given, or its batches: `active_dataloader =
+# accelerator.skip_first_batches(train_dataloader, n)` (transformers' no_trainer scripts)
+_PASSING = _WRAPPERS + ("skip_first_batches",)
+
+
+def _loader_value(value, facts: ModuleFacts, seen: set) -> bool:
+    """Whether `value`, iterated, may be a DataLoader: a loader call, a name bound to one
+    (or to another name of one: `active_dataloader = train_dataloader`), a parameter, or a
+    call that passes a loader on (`skip_first_batches(loader, n)`)."""
+    if isinstance(value, ast.Call):
+        name = dotted(value.func)
+        if name in LOADERS + ("tu.make_loader", "make_loader"):
+            return True
+        return name.split(".")[-1] in _PASSING and bool(value.args) and \
+            _loader_value(value.args[0], facts, seen)
+    if not isinstance(value, ast.Name) or value.id in seen:
         return False
+    seen.add(value.id)
     made = [n.value for n in ast.walk(facts.tree) if isinstance(n, ast.Assign)
-            and any(isinstance(t, ast.Name) and t.id == it.id for t in n.targets)]
+            and any(isinstance(t, ast.Name) and t.id == value.id for t in n.targets)]
     if not made:  # a parameter, a global from elsewhere: may well be a loader
         return True
-    return any(isinstance(v, ast.Call) and dotted(v.func) in LOADERS + ("tu.make_loader", "make_loader")
-               for v in made)
+    return any(_loader_value(v, facts, seen) for v in made)
 
 
 def _next_of_loader(loop, facts: ModuleFacts) -> bool:

@@ -2,12 +2,13 @@
 .to() keeps the Parameter objects, and trains nothing on XLA, where .to() makes new ones
 and the optimizer keeps the old CPU tensors. The move goes up, before the optimizer, or
 (where the move reads what is set between them, as its device) the optimizer goes down,
-after the move, where that cannot change what the script does; anywhere else the pair is
-listed."""
+after the move, where that cannot change what the script does; where neither can go (a
+schedule made from the optimizer between them, and a move that does more than move the
+model: `trainer = Trainer(net, ...).to(device)`), the model moves on a line of its own
+before the optimizer (holders.py); anywhere else the pair is listed."""
 from __future__ import annotations
 
 import ast
-import re
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
@@ -15,12 +16,11 @@ from ..edits import apply
 from ..facts import OPTIMIZER, chains, dotted, moves_to_device, parameter_owners, run_nodes
 from .device import moves_to_cuda
 from .distributed import is_wrapper
-from .holders import constructed_from, held_moves, init_moved, runs_once
+from .holders import (SCHEDULE, comments_above, constructed_from, covers, held_moves, init_moved,
+                      move_first, move_model_first, overlap)
 from .rule import Context, Rule, always
 from .steps import blocks
-# Constructors of learning-rate schedules, which read an optimizer's settings, not its
-# parameters: one made between an optimizer and its model's move does not hold the move up.
-SCHEDULE = re.compile(r"(?i:sched|warmup)|LR$|Plateau$")
+
 ORDER_FIX = ("create the optimizer after model.to(device): on XLA .to() makes new parameters, "
              "and this optimizer would keep the old ones (the run refuses to step it)")
 
@@ -44,15 +44,6 @@ class Unmoved:
     made: dict = field(default_factory=dict)  # optimizer name -> Made
     on_device: set = field(default_factory=set)  # the models moved, by name
     holds: dict = field(default_factory=dict)  # `w = Wrapper(net)`: w -> {net}
-
-
-def _covers(outer: str, inner: str) -> bool:
-    """Whether the object named `outer` holds the one named `inner` ('m' holds 'm.fc')."""
-    return inner == outer or inner.startswith(outer + ".")
-
-
-def _overlap(a: str, b: str) -> bool:
-    return _covers(a, b) or _covers(b, a)
 
 
 class MovesFirst:
@@ -83,18 +74,18 @@ class MovesFirst:
             moved = ({dotted(c.func.value) for c in moves} | held_moves(moves, state.holds)
                      | {model for _, model in inits}) - {""}
             hit = [m for m in state.made.values()
-                   if any(_overlap(o, r) for o in m.owners for r in moved)]
-            if hit and not _move_first(self, block, i, hit, inits, top):
-                self._fix(block, i, hit, moves + [c for c, _ in inits], top)
+                   if any(overlap(o, r) for o in m.owners for r in moved)]
+            if hit and not move_first(self, block, i, hit, inits, top):
+                self._fix(block, i, hit, moves + [c for c, _ in inits], top, moved)
             for m in hit:
-                m.owners = {o for o in m.owners if not any(_covers(r, o) for r in moved)}
+                m.owners = {o for o in m.owners if not any(covers(r, o) for r in moved)}
                 if not m.owners:
                     del state.made[m.name]
             state.on_device |= moved
             self._rebound(stmt, state, top)
             for target, assign in optimizers_made(stmt):
                 owners = {o for o in parameter_owners(assign.value)
-                          if not any(_covers(d, o) for d in state.on_device)}
+                          if not any(covers(d, o) for d in state.on_device)}
                 if owners:
                     state.made[target] = Made(target, assign.lineno, stmt, block, owners)
 
@@ -114,14 +105,14 @@ class MovesFirst:
             state.made.pop(name, None)
             if isinstance(stmt, ast.Assign) and self._moves(value, top):
                 state.on_device.add(name)
-            elif not any(_overlap(name, r) for r in reads):
-                state.on_device = {d for d in state.on_device if not _covers(name, d)}
+            elif not any(overlap(name, r) for r in reads):
+                state.on_device = {d for d in state.on_device if not covers(name, d)}
                 for m in list(state.made.values()):
-                    m.owners = {o for o in m.owners if not _covers(name, o)}
+                    m.owners = {o for o in m.owners if not covers(name, o)}
                     if not m.owners:
                         del state.made[m.name]
 
-    def _fix(self, block, i, hit, moves, top: bool) -> None:
+    def _fix(self, block, i, hit, moves, top: bool, moved: set) -> None:
         why = self._unsafe(block, i, hit, top)
         if why is None:
             self._move_up(block, i, hit)
@@ -129,9 +120,11 @@ class MovesFirst:
         if not _down_blocked(self.edits, block, i, hit):  # the move reads what is set between
             self._move_down(block, i, hit)
             return
+        if move_model_first(self, block, i, hit, moves, top, moved):
+            return
         for m in hit:
             code = next((self.edits.source(c) for c in moves if isinstance(c.func, ast.Attribute)
-                         and any(_overlap(dotted(c.func.value), o) for o in m.owners)),
+                         and any(overlap(dotted(c.func.value), o) for o in m.owners)),
                         self.edits.source(moves[0]))
             self.notes.add(m.line, f"`{m.name}` is made before `{code}` moves its model "
                            f"({why}, so port kept the order): {ORDER_FIX}")
@@ -145,13 +138,13 @@ class MovesFirst:
                                         or not isinstance(m.stmt, ast.Assign) for m in hit):
             return "they are in different blocks"
         model = self._plain_move(stmt, top)
-        if not model or any(_overlap(o, model) and not _covers(model, o)  # moves only a part
+        if not model or any(overlap(o, model) and not covers(model, o)  # moves only a part
                             for m in hit for o in m.owners):
             return "that statement does more than move the model"
         first = min(block.index(m.stmt) for m in hit)
         if not (self.edits.owns_lines(stmt) and self.edits.owns_lines(block[first])):
             return "they share lines with other statements"
-        needs = {r for r in chains(stmt) if not _overlap(r, model)}  # the device, say
+        needs = {r for r in chains(stmt) if not overlap(r, model)}  # the device, say
         # (a `model = DDP(model)` line between them goes: distributed.wrapper-line)
         between = [s for s in block[first + 1:i] if not any(s is m.stmt for m in hit)
                    and not (isinstance(s, ast.Assign) and is_wrapper(s.value)
@@ -172,7 +165,7 @@ class MovesFirst:
         comments above it)."""
         stmt, first = block[i], min(block.index(m.stmt) for m in hit)
         text = _take(self.edits, stmt, block[i - 1].end_lineno + 1)
-        at = _comments_above(self.edits, block[first], block[first - 1].end_lineno + 1 if first else 1)
+        at = comments_above(self.edits, block[first], block[first - 1].end_lineno + 1 if first else 1)
         self.inserts.setdefault(at, []).append(text)
         names = " and ".join(sorted(f"`{m.name}`" for m in hit))
         code = " ".join(self.edits.source(stmt).split())  # on one line
@@ -200,31 +193,6 @@ class MovesFirst:
 
 
 
-def _move_first(mover: MovesFirst, block, i, hit, inits, top: bool) -> bool:
-    """A class's call whose `__init__` moves the model (`SimCLR(model=model, ...)`)
-    after the optimizer was made from it: the model moves to the device just before
-    the optimizer is made, where both are statements of one function's block (the
-    class's own move then finds it there)."""
-    models = {model for _, model in inits}
-    if top or not models or not all(runs_once(mover.facts, c, block[i]) for c, _ in inits) or any(
-            m.block is not block or not isinstance(m.stmt, ast.Assign)
-            or not mover.edits.owns_lines(m.stmt) or not m.owners <= models for m in hit):
-        return False
-    first = min((m.stmt for m in hit), key=lambda s: s.lineno)
-    indent = mover.edits.lines[first.lineno - 1][:first.col_offset]
-    at = _comments_above(mover.edits, first, block[block.index(first) - 1].end_lineno + 1
-                         if block.index(first) else 1)
-    owners = sorted(set().union(*(m.owners for m in hit)))
-    mover.inserts.setdefault(at, []).extend(f"{indent}{o}.to(tu.get_device())\n" for o in owners)
-    cls = dotted(next(c for c, model in inits if model in owners).func)
-    names = " and ".join(sorted(f"`{m.name}`" for m in hit))
-    mover.edits.swap(first.lineno, f"{', '.join(f'`{o}.to(tu.get_device())`' for o in owners)} "
-                     f"added before {names} is made: {cls}(...) moves it to the device in its "
-                     f"__init__, after the optimizer took its parameters (on XLA .to() makes "
-                     f"new ones)")
-    return True
-
-
 def _down_blocked(edits, block, i, hit) -> bool:
     """Whether taking the optimizers `hit` down, to just after the move block[i], could
     change what the script does: a statement between uses one, or binds what one reads."""
@@ -237,8 +205,8 @@ def _down_blocked(edits, block, i, hit) -> bool:
     for s in block[min(block.index(m.stmt) for m in hit) + 1:i + 1]:
         if any(s is m.stmt for m in hit):
             continue
-        if any(_overlap(t, n) for t in chains(s) | chains(s, store=True) for n in names) or \
-                s is not block[i] and any(_overlap(b, r) for b in chains(s, store=True) for r in reads):
+        if any(overlap(t, n) for t in chains(s) | chains(s, store=True) for n in names) or \
+                s is not block[i] and any(overlap(b, r) for b in chains(s, store=True) for r in reads):
             return True
     return False
 
@@ -246,7 +214,7 @@ def _down_blocked(edits, block, i, hit) -> bool:
 def _take(edits, stmt, floor: int) -> str:
     """Remove `stmt`'s lines (with the comments right above it, not above line `floor`) and
     return their text, with port's own edits in them applied."""
-    lo = _comments_above(edits, stmt, floor)
+    lo = comments_above(edits, stmt, floor)
     inner = [e for e in edits.edits if e[0] >= lo and e[2] <= stmt.end_lineno]
     for e in inner:
         edits.edits.remove(e)
@@ -254,14 +222,6 @@ def _take(edits, stmt, floor: int) -> str:
                  [(a - lo + 1, b, c - lo + 1, d, new) for a, b, c, d, new in inner])
     edits.add((lo, 0, *edits.lines_end(stmt.end_lineno), ""))
     return text if text.endswith("\n") else text + "\n"
-
-
-def _comments_above(edits, stmt, floor: int) -> int:
-    """The first of the comment lines right above `stmt` (not above line `floor`)."""
-    at = stmt.lineno
-    while at - 1 >= floor and edits.lines[at - 2].strip().startswith("#"):
-        at -= 1
-    return at
 
 
 def optimizers_made(stmt) -> List[Tuple[str, ast.Assign]]:
@@ -279,13 +239,15 @@ def depends(stmt, model: str, optimizers: set, needs: set) -> bool:
     touched = chains(stmt) | chains(stmt, store=True)
     schedule = isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call) and \
         SCHEDULE.search(dotted(stmt.value.func)) is not None
-    return any(_overlap(t, model) for t in touched) or \
-        any(_overlap(b, r) for b in chains(stmt, store=True) for r in needs) or \
-        not schedule and any(_overlap(t, n) for t in touched for n in optimizers)
+    return any(overlap(t, model) for t in touched) or \
+        any(overlap(b, r) for b in chains(stmt, store=True) for r in needs) or \
+        not schedule and any(overlap(t, n) for t in touched for n in optimizers)
 
 
 RULES = [
     Rule("order.move-before-optimizer", "a model's move made after the optimizer made from "
-         "its parameters goes up, before it, or else the optimizer goes down, after it, where "
-         "nothing between depends on the order; anywhere else it is listed", ast.Module, always, lambda ctx, tree: MovesFirst(ctx).port()),
+         "its parameters goes up, before it, or else the optimizer goes down, after it, or else "
+         "the model moves on a line of its own before it, where nothing between depends on the "
+         "order; anywhere else it is listed", ast.Module, always,
+         lambda ctx, tree: MovesFirst(ctx).port()),
 ]

@@ -31,6 +31,7 @@ class Context:
     depth: int = 0
     memo: dict = field(default_factory=dict)  # what a rule found once for the whole module
     init_moves: dict = field(default_factory=dict)  # class -> the arguments its __init__ moves
+    class_optimizers: dict = field(default_factory=dict)  # class -> its optimizer attributes
 
     @classmethod
     def of(cls, lines: List[str], facts: ModuleFacts, **kw) -> "Context":

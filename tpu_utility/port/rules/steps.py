@@ -17,8 +17,7 @@ def scheduler(name: str, facts: ModuleFacts) -> bool:
     """Whether `name.step()` steps a learning-rate schedule: the name says so, or it is
     assigned from a call whose name does (lr_scheduler.*, get_linear_schedule_with_warmup)."""
     made = [dotted(n.value.func) for n in ast.walk(facts.tree) if isinstance(n, ast.Assign)
-            and isinstance(n.value, ast.Call) and any(isinstance(t, ast.Name) and t.id == name
-                                                      for t in n.targets)]
+            and isinstance(n.value, ast.Call) and any(dotted(t) == name for t in n.targets)]
     return any(re.search("sched", text, re.I) for text in [name] + made)
 
 
@@ -132,7 +131,52 @@ def _average_gradients(ctx: Context, tree) -> None:
 def _steps(ctx: Context, call) -> bool:
     """An optimizer's step, or one that port could not name (a closure optimizer's)."""
     return isinstance(call, ast.Call) and method(call) == "step" and \
-        isinstance(call.func.value, ast.Name) and call.func.value.id in ctx.optimizers
+        known_optimizer(ctx, call.func.value)
+
+
+def _method_of(ctx: Context, node):
+    """(the class, the method) whose body holds `node`, the innermost method; or None."""
+    for parent, _ in ctx.facts.ancestors(node):
+        if isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            above = next(iter(ctx.facts.ancestors(parent)), (None, None))[0]
+            if isinstance(above, ast.ClassDef):
+                return above, parent
+    return None
+
+
+def known_optimizer(ctx: Context, node) -> bool:
+    """Whether `node` is an optimizer port knows: a name bound to one, or an attribute of a
+    method's instance (`self.opt`) that its class holds one in (classes.py: made there, or
+    set from an argument that a call of the class passes an optimizer)."""
+    if isinstance(node, ast.Name):
+        return node.id in ctx.optimizers
+    if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)):
+        return False
+    found = _method_of(ctx, node)
+    if found is None:
+        return False
+    cls, fn = found
+    return bool(fn.args.args) and fn.args.args[0].arg == node.value.id and \
+        node.attr in ctx.class_optimizers.get(cls.name, ())
+
+
+def _own(ctx: Context, call) -> bool:
+    """Whether `self.step(...)` calls a method of the instance of the method around it."""
+    found = _method_of(ctx, call)
+    return found is not None and isinstance(call.func.value, ast.Name) and \
+        bool(found[1].args.args) and found[1].args.args[0].arg == call.func.value.id
+
+
+def _after_backward(ctx: Context, node) -> bool:
+    """Whether `node` runs after a backward(): in a loop that calls it, or after one in
+    the function that holds it (a method `def step(self, loss)`)."""
+    if ctx.facts.inside_loop(node, ctx.facts.backward_loops):
+        return True
+    fn = next((p for p, _ in ctx.facts.ancestors(node)
+               if isinstance(p, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
+    return fn is not None and any(isinstance(n, ast.Call) and method(n) == "backward" and
+                                  (n.lineno, n.col_offset) < (node.lineno, node.col_offset)
+                                  for n in ast.walk(fn))
 
 
 def _in_body(node, loop, facts: ModuleFacts):
@@ -165,9 +209,11 @@ def _sync(ctx: Context, tree) -> None:
 
 
 def _optimizer_step(ctx: Context, node) -> None:
-    opt = node.func.value.id if isinstance(node.func.value, ast.Name) else None
+    # a name (`opt`) or an attribute chain (`self.opt`): `f().step()` is none of port's
+    opt = dotted(node.func.value) or None
+    known = known_optimizer(ctx, node.func.value)
     closure = node.args + [k.value for k in node.keywords if k.arg == "closure"]
-    if opt in ctx.optimizers and len(node.args) + len(node.keywords) == len(closure) <= 1:
+    if known and len(node.args) + len(node.keywords) == len(closure) <= 1:
         # LBFGS: step(closure) calls the closure, which runs backward(), as often as it needs
         args = "".join(f", {ctx.edits.source(c)}" for c in closure)
         ctx.edits.replace(node, f"tu.optimizer_step({opt}{args})",
@@ -177,9 +223,9 @@ def _optimizer_step(ctx: Context, node) -> None:
             ctx.notes.add(node.lineno, f"`{ctx.edits.source(node)}`: keep it, and make "
                           f"{opt} with tu.GradScaler() where it is made (its step averages "
                           f"the gradients over replicas, as tu.optimizer_step)")
-    elif opt is not None and opt not in ctx.optimizers and not scheduler(opt, ctx.facts) \
-            and not any(isinstance(a, ast.Name) and a.id in ctx.optimizers for a in node.args) \
-            and ctx.facts.inside_loop(node, ctx.facts.backward_loops):
+    elif opt is not None and not known and not scheduler(opt, ctx.facts) and not _own(ctx, node) \
+            and not any(known_optimizer(ctx, a) for a in node.args) \
+            and _after_backward(ctx, node):
         # (scaler.step(optimizer) steps an optimizer port knows)
         ctx.notes.add(node.lineno, f"`{ctx.edits.source(node)}` after backward(): port "
                       f"does not know {opt} as an optimizer; if it is one, make it "
@@ -191,8 +237,9 @@ def _optimizer_step(ctx: Context, node) -> None:
 
 CALL_RULES = [
     Rule("steps.optimizer-step", "`opt.step()` (and LBFGS's `opt.step(closure)`) on a name "
-         "bound to an optimizer becomes tu.optimizer_step(opt); an unknown `x.step()` after "
-         "backward() is listed", ast.Call, method_called("step"), _optimizer_step),
+         "bound to an optimizer, or `self.opt.step()` where the class holds one, becomes "
+         "tu.optimizer_step(opt); an unknown `x.step()` after backward() is listed", ast.Call,
+         method_called("step"), _optimizer_step),
 ]
 PASSES = [
     Rule("steps.average-gradients", "a manual update of parameters from their .grad gets "

@@ -8,7 +8,7 @@ import ast
 import re
 from typing import List
 
-from ..facts import LOOPS, OPTIMIZER, ModuleFacts, calls, dotted, method
+from ..facts import LOOPS, OPTIMIZER, ModuleFacts, call_name, calls, dotted, method
 from ..wrap import is_main_guard
 from .device import device_choice, is_cuda_check, is_cuda_string, moves_to_cuda
 from .rule import Context, Rule, always
@@ -19,8 +19,9 @@ _DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 def training_functions(functions: dict, known: frozenset = frozenset()) -> set:
     """Of the module's `functions`, those that call .backward(), or call (through others)
     one that does (or one of `known`, from earlier notebook cells)."""
-    # by dotted name: `loops.train` of another module is one of `known` (project.py)
-    called = {name: {dotted(n.func) for n in ast.walk(fn) if isinstance(n, ast.Call)} - {""}
+    # by dotted name: `loops.train` of another module is one of `known` (project.py), as
+    # are a class's `Loop.train` and `Trainer().train` (classes.py)
+    called = {name: {call_name(n) for n in ast.walk(fn) if isinstance(n, ast.Call)} - {""}
               | _spawned(fn) for name, fn in functions.items()}
     found = {name for name, fn in functions.items()
              if calls(fn, "backward") or called[name] & set(known)}
@@ -39,16 +40,18 @@ def _spawned(fn) -> set:
 
 def trains(stmt, in_guard: bool, facts: ModuleFacts, train_fns: set) -> bool:
     """Whether a top-level statement trains or touches the device: what must run inside
-    tu.run. Under the `__main__` guard a lone call of a training function is not: that call
-    becomes tu.run(that_function) itself."""
+    tu.run. Under the `__main__` guard a lone call of a training function (a plain name) is
+    not: that call becomes tu.run(that_function) itself; a call of a method that trains
+    (`Trainer(model, opt).train(loader)`, `Loop.train(...)`) is wrapped with the guard."""
     for n in ast.walk(stmt):
         if isinstance(n, ast.Call):
-            name = dotted(n.func)
+            name = call_name(n)
             if moves_to_cuda(n) or method(n) == "backward" or OPTIMIZER.search(name) or \
                     name == "torch.accelerator.current_accelerator" or name == "torch.device" \
                     and n.args and (is_cuda_string(n.args[0]) or isinstance(n.args[0], ast.IfExp)):
                 return True
-            if name in train_fns and (not in_guard or facts.inside_loop(n)):
+            if name in train_fns and (not in_guard or facts.inside_loop(n)
+                                      or not isinstance(n.func, ast.Name)):
                 return True
         elif isinstance(n, ast.IfExp) and is_cuda_check(n.test) and is_cuda_string(n.body) or \
                 isinstance(n, ast.Assign) and is_cuda_string(n.value) or \
